@@ -1,0 +1,183 @@
+"""Frozen, self-validating engine configuration.
+
+User errors raise ``ValueError`` naming the field, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The decoder's shape, read from a Hugging Face ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArchConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+            cfg.get("model_type", ""), str(cfg.get("model_type"))
+        )
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str) -> "ModelArchConfig":
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model folder {folder!r} has no config.json")
+        with open(path) as f:
+            return cls.from_hf_config(json.load(f))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    backend: str = "auto"  # auto | gloo | nccl
+    worker_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be one of auto, gloo, nccl; got {self.backend!r}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Number of KV blocks; None = derive from kv_cache_memory_gb.
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # resolved Hugging Face–format folder
+    arch: ModelArchConfig
+    dtype: str = "float32"
+    seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES[1:]:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        tp = self.parallel.tensor_parallel_size
+        a = self.arch
+        # Heads are split as evenly as possible (see layers.linear.QKVParallelLinear), so a TP size
+        # only has to leave every rank at least one attention head; the MLP splits evenly.
+        if tp > a.num_attention_heads:
+            raise ValueError(
+                f"tensor_parallel_size={tp} exceeds the model's num_attention_heads "
+                f"({a.num_attention_heads}): every rank needs at least one head"
+            )
+        if a.intermediate_size % tp:
+            allowed = [d for d in range(1, a.num_attention_heads + 1) if a.intermediate_size % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's intermediate_size "
+                f"({a.intermediate_size}); allowed sizes: {allowed}"
+            )
+        if self.scheduler.max_model_len > a.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.scheduler.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({a.max_position_embeddings})"
+            )
+
+    def replace(self, **kw: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def resolve_dtype(dtype: str, device_type: str) -> str:
+    """``auto`` means float32 on CPU and bfloat16 on CUDA."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    if dtype == "auto":
+        return "float32" if device_type == "cpu" else "bfloat16"
+    return dtype

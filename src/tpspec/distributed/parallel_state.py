@@ -1,0 +1,71 @@
+"""Tensor-parallel process groups: one group for tensors (gloo on CPU, NCCL on CUDA) and one
+gloo group for host-side control messages."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    group: object | None  # tensor collectives
+    cpu_group: object | None  # pickled control messages (always gloo)
+
+
+_STATE = ParallelState(0, 1, torch.device("cpu"), "none", None, None)
+
+
+def get_free_port() -> int:
+    """Ask the OS for a free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    rank: int, world_size: int, init_method: str, backend: str, device: torch.device, timeout_s: float
+) -> ParallelState:
+    """Join the TP group. ``world_size == 1`` creates no process group at all."""
+    global _STATE
+    if world_size == 1:
+        _STATE = ParallelState(0, 1, device, "none", None, None)
+        return _STATE
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _STATE = ParallelState(rank, world_size, device, backend, dist.group.WORLD, cpu_group)
+    logger.debug("rank %d/%d joined (%s)", rank, world_size, backend)
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = ParallelState(0, 1, _STATE.device, "none", None, None)
+
+
+def get_state() -> ParallelState:
+    return _STATE
+
+
+def get_tp_rank() -> int:
+    return _STATE.rank
+
+
+def get_tp_size() -> int:
+    return _STATE.world_size

@@ -1,0 +1,242 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+
+from tpspec.config import CacheConfig, EngineConfig, ModelArchConfig, ParallelConfig, SchedulerConfig, resolve_dtype
+from tpspec.distributed import comm
+from tpspec.distributed.executor import Executor
+from tpspec.engine.detokenizer import IncrementalDetokenizer
+from tpspec.engine.kv_cache import BlockManager
+from tpspec.engine.outputs import CompletionOutput, RequestOutput
+from tpspec.engine.scheduler import Scheduler
+from tpspec.engine.sequence import Request, RequestStatus
+from tpspec.models.loader.resolve import resolve_model
+from tpspec.sampling_params import SamplingParams
+from tpspec.tokenizer import Tokenizer
+from tpspec.worker.step import StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _device_kind(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be one of auto, cpu, cuda; got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return device
+
+
+class _Tracked:
+    """Engine-side companions of a request: its detokenizer and what was already reported."""
+
+    def __init__(self, req: Request, prompt: str | None, detok: IncrementalDetokenizer):
+        self.req = req
+        self.prompt = prompt
+        self.detok = detok
+        self.logprobs: list[dict[int, float]] | None = [] if req.sampling_params.logprobs is not None else None
+        self.num_reported_tokens = 0
+        self.pending_text = ""  # finalized text not yet reported
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, device_kind: str = "cpu"):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor = Executor(config, device_kind)
+        num_blocks = self.executor.num_blocks
+        capacity = num_blocks * config.cache.block_size
+        if capacity < config.scheduler.max_model_len:
+            self.executor.shutdown()
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len={config.scheduler.max_model_len}: raise the KV cache size or lower max_model_len"
+            )
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        eos = set(config.arch.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._next_id = 0
+        self.stats = {
+            "num_requests": 0,
+            "num_requests_finished": 0,
+            "num_requests_aborted": 0,
+            "num_prompt_tokens": 0,
+            "num_generation_tokens": 0,
+            "num_steps": 0,
+            "num_preemptions": 0,
+        }
+
+    @classmethod
+    def from_args(
+        cls,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory_gb: float = 1.0,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        enable_chunked_prefill: bool = True,
+    ) -> "LLMEngine":
+        device_kind = _device_kind(device)
+        folder = resolve_model(model)
+        arch = ModelArchConfig.from_folder(folder)
+        config = EngineConfig(
+            model=folder,
+            arch=arch,
+            dtype=resolve_dtype(dtype, device_kind),
+            seed=seed,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            cache=CacheConfig(block_size=block_size, num_gpu_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len or arch.max_position_embeddings,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        from tpspec.models.registry import get_model_class
+
+        get_model_class(arch.architecture)  # unsupported architecture: fail before spawning anything
+        return cls(config, Tokenizer.from_pretrained(folder), device_kind)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; bad input raises ``ValueError`` and leaves the engine untouched."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        vocab = self.config.arch.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {[t for t in ids if t < 0 or t >= vocab][:3]}")
+        max_len = self.config.scheduler.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long; max_model_len is {max_len}, leaving no room to generate"
+            )
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
+        self._tracked[request_id] = _Tracked(req, text, IncrementalDetokenizer(self.tokenizer, ids, params))
+        self.scheduler.add_request(req)
+        self.stats["num_requests"] += 1
+        self.stats["num_prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.stats["num_requests_aborted"] += 1
+        return self._output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every request that progressed or finished."""
+        sched = self.scheduler.schedule()
+        self.stats["num_preemptions"] += sched.num_preempted
+        if not sched.requests:
+            return []
+        result: StepOutput = self.executor.execute(sched.step_input())
+        self.stats["num_steps"] += 1
+        touched = self.scheduler.update(sched, result)
+        lp_by_req = {
+            req.request_id: lp for req, lp in zip(sched.requests, result.logprobs) if lp is not None
+        }
+        outputs = []
+        for req in touched:
+            tracked = self._tracked[req.request_id]
+            self.stats["num_generation_tokens"] += 1
+            if tracked.logprobs is not None and req.request_id in lp_by_req:
+                lp = lp_by_req[req.request_id]
+                entry = dict(lp.top)
+                entry[req.output_token_ids[-1]] = lp.token_logprob
+                tracked.logprobs.append(entry)
+            tracked.pending_text += tracked.detok.update(req.output_token_ids[tracked.num_reported_tokens :])
+            if tracked.detok.finished_by_stop is not None and not req.status.finished:
+                req.stop_reason = tracked.detok.finished_by_stop
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output(tracked))
+        return outputs
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.req
+        new_ids = req.output_token_ids[tracked.num_reported_tokens :]
+        tracked.num_reported_tokens = len(req.output_token_ids)
+        new_text, tracked.pending_text = tracked.pending_text, ""
+        finished = req.status.finished
+        if finished:
+            self._tracked.pop(req.request_id, None)
+            self.stats["num_requests_finished"] += 1
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=tracked.detok.output_text,
+                    token_ids=list(req.output_token_ids),
+                    logprobs=tracked.logprobs,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            ],
+            finished=finished,
+            new_text=new_text,
+            new_token_ids=new_ids,
+        )
+
+    # ---- introspection and teardown ---------------------------------------------------------
+    def get_stats(self) -> dict:
+        s = dict(self.stats)
+        s.update(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.block_manager.num_blocks,
+            num_free_kv_blocks=self.block_manager.num_free_blocks,
+            kv_cache_usage=self.block_manager.usage,
+            comm=comm.get_comm_stats(),
+        )
+        return s
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,62 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tpspec.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # the request's own seed, or one drawn for it by the engine
+    max_tokens: int  # effective: sampling_params.max_tokens capped by max_model_len
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def check_stop(self, token_id: int) -> bool:
+        """After appending ``token_id``: set a finished status if it ends the request."""
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.status.finished

@@ -1,0 +1,120 @@
+"""Causal self-attention over a paged KV cache.
+
+The cache of one layer is ``[num_blocks · block_size, kv_heads, head_dim]`` for K and for V;
+token t of a sequence lives in slot ``block_table[t // block_size] · block_size + t % block_size``.
+A step's tokens are written to their slots first, then each sequence's queries attend over its
+gathered keys, padded to the batch's longest context and masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors, built once by the model runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    context_slots: torch.Tensor  # [num_seqs, max_context] slots of every key of each sequence (padded with 0)
+    query_index: torch.Tensor  # [num_seqs, max_query] index into the step's tokens (padded with num_tokens)
+    query_valid: torch.Tensor  # [num_seqs, max_query] bool
+    attn_mask: torch.Tensor  # [num_seqs, 1, max_query, max_context] bool, True = attend
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+        non_causal_tail: list[int] | None = None,
+    ) -> "AttentionMetadata":
+        """Sequence i feeds ``query_lens[i]`` new tokens that end its first ``context_lens[i]`` tokens.
+
+        ``non_causal_tail[i]`` > 0 lets the last that many queries of sequence i see each other
+        in both directions (a parallel draft block); causal everywhere else.
+        """
+        num_seqs = len(query_lens)
+        max_q, max_ctx = max(query_lens), max(context_lens)
+        num_tokens = sum(query_lens)
+        pos = torch.arange(max_ctx)
+        ctx = torch.tensor(context_lens)
+        qlen = torch.tensor(query_lens)
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)  # [num_seqs, width]
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
+        key_valid = pos[None, :] < ctx[:, None]
+        context_slots = torch.where(key_valid, slots, 0)
+        qpos_local = torch.arange(max_q)
+        query_valid = qpos_local[None, :] < qlen[:, None]  # [num_seqs, max_q]
+        starts = torch.cumsum(qlen, 0) - qlen
+        query_index = torch.where(query_valid, starts[:, None] + qpos_local[None, :], num_tokens)
+        qpos = (ctx - qlen)[:, None] + qpos_local[None, :]  # [num_seqs, max_q] absolute position of each query
+        mask = pos[None, None, :] <= qpos[:, :, None]
+        if non_causal_tail is not None:
+            tail = torch.tensor(non_causal_tail)
+            in_tail = pos[None, :] >= (ctx - tail)[:, None]  # keys inside the block
+            q_in_tail = qpos >= (ctx - tail)[:, None]
+            mask = mask | (in_tail[:, None, :] & q_in_tail[:, :, None])
+        mask = mask & key_valid[:, None, :]
+        mask = mask | ~query_valid[:, :, None]  # padded queries attend somewhere (result discarded)
+        flat_slots = torch.where(query_valid, slots.gather(1, torch.clamp(qpos, max=max_ctx - 1)), -1)
+        slot_mapping = flat_slots[query_valid]
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            context_slots=context_slots.to(device),
+            query_index=query_index.to(device),
+            query_valid=query_valid.to(device),
+            attn_mask=mask[:, None].to(device),
+        )
+
+
+class Attention(nn.Module):
+    """softmax(Q·Kᵀ/√d)·V per head, with this rank's heads and the KV heads they read."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_head_of_head: torch.Tensor):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        # Local KV head read by each local query head. When the groups are uniform, SDPA's GQA path
+        # is used; an uneven head split (e.g. 9 heads over 4 ranks) expands K/V per query head.
+        self.register_buffer("kv_head_of_head", kv_head_of_head, persistent=False)  # [num_heads]
+        group = num_heads // num_kv_heads
+        self.uniform_groups = bool(
+            num_heads % num_kv_heads == 0
+            and torch.equal(kv_head_of_head, torch.arange(num_heads) // group)
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 × [num_slots, num_kv_heads, head_dim]
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads · head_dim]
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, md.slot_mapping, k)
+        v_cache.index_copy_(0, md.slot_mapping, v)
+        num_seqs, max_ctx = md.context_slots.shape
+        keys = k_cache[md.context_slots]  # [num_seqs, max_ctx, kv_heads, head_dim]
+        values = v_cache[md.context_slots]
+        q_pad = torch.cat([q, q.new_zeros(1, self.num_heads, self.head_dim)])[md.query_index]  # [num_seqs, max_q, heads, d]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        gqa = True
+        if not self.uniform_groups:
+            keys, values = keys[:, self.kv_head_of_head], values[:, self.kv_head_of_head]
+            gqa = False
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys, values, attn_mask=md.attn_mask, scale=self.scale, enable_gqa=gqa and self.num_kv_heads != self.num_heads
+        )  # [num_seqs, heads, max_q, d]
+        out = out.transpose(1, 2)[md.query_valid]  # [num_tokens, heads, d]
+        return out.reshape(out.shape[0], -1)

@@ -1,0 +1,31 @@
+"""RMSNorm, computed in float32 like the reference implementation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · w, optionally after adding a residual (returned too)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        param.data.copy_(loaded[:])
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., hidden_size]. With ``residual``: returns (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

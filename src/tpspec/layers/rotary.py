@@ -1,0 +1,53 @@
+"""Rotary position embedding (rotate-half layout, as in Hugging Face Llama/Qwen3)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [head_dim/2]
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; allowed: {SUPPORTED_ROPE_TYPES}")
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class RotaryEmbedding(nn.Module):
+    """x' = x·cos(pθ) + rotate_half(x)·sin(pθ) for query and key heads at positions p."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, head_dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

@@ -1,0 +1,91 @@
+"""Offline API shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm import tqdm
+
+from tpspec.engine.llm_engine import LLMEngine
+from tpspec.engine.outputs import RequestOutput
+from tpspec.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model=None)`` serves the embedded default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, **engine_args):
+        self.llm_engine = LLMEngine.from_args(model=model, tensor_parallel_size=tensor_parallel_size, **engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in the order given. A prompt is text or token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate a reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(final) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+    def get_stats(self) -> dict:
+        return self.llm_engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()

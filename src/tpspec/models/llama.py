@@ -1,0 +1,166 @@
+"""Llama-family decoder built from TP layers (also the base of Qwen3, which adds per-head q/k norm)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tpspec.config import ModelArchConfig
+from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
+from tpspec.layers.activation import silu_and_mul
+from tpspec.layers.attention import Attention, AttentionMetadata
+from tpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpspec.layers.logits import LogitsProcessor
+from tpspec.layers.norm import RMSNorm
+from tpspec.layers.partition import head_partition
+from tpspec.layers.rotary import RotaryEmbedding
+from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, qk_norm: bool):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, dtype)
+        q0, q1 = self.qkv_proj.q_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, cfg.attention_bias, dtype, input_range=(q0 * d, q1 * d)
+        )
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        kv_of_head = torch.arange(q0, q1) // group - self.qkv_proj.kv_heads[0]
+        self.attn = Attention(self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads, d, kv_of_head)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if qk_norm else None
+
+    def forward(self, positions, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2·kv_heads)·d]
+        p = self.qkv_proj
+        d = p.head_dim
+        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q = q.view(-1, p.num_local_heads, d)
+        k = k.view(-1, p.num_local_kv_heads, d)
+        v = v.view(-1, p.num_local_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, qk_norm)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache, md):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(...) -> hidden_states``; ``compute_logits(hidden_states)``; KV heads/ranks described
+    by ``kv_cache_shape``. Hidden states of chosen layers can be captured for drafters."""
+
+    qk_norm = False
+    # checkpoint sub-name -> (our parameter sub-name, shard id)
+    packed = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(cfg, rotary, dtype, self.qk_norm) for _ in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+        _, (k0, k1) = head_partition(cfg.num_attention_heads, cfg.num_key_value_heads, get_tp_size(), get_tp_rank())
+        self.kv_cache_shape = (k1 - k0, cfg.head_dim)  # per slot, per layer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+        input_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], replaces the lookup
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns final-norm hidden states [num_tokens, hidden_size] and, for each layer id L in
+        ``capture_layers``, the output of layer L (Hugging Face ``hidden_states[L + 1]``)."""
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i], md)
+            if i in capture_layers:
+                captured[i] = hidden + residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, captured
+
+    def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:
+        """hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
+        return self.logits_processor.compute_logits(self.lm_head, hidden, site)
+
+    def _target(self, name: str):
+        """Map a checkpoint tensor name to (module, parameter, shard id), or None to skip it."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        shard = None
+        parts = name.split(".")
+        for ckpt, (ours, sid) in self.packed.items():
+            if ckpt in parts:
+                parts[parts.index(ckpt)] = ours
+                shard = sid
+                break
+        *mod_path, pname = parts
+        module = self.get_submodule(".".join(mod_path))
+        return ".".join(parts), module, getattr(module, pname), shard
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Load (checkpoint name, sliceable tensor) pairs; returns the names of our parameters loaded."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            pname, module, param, shard = target
+            module.weight_loader(param, tensor, shard)
+            loaded.add(pname)
+        return loaded

@@ -1,0 +1,20 @@
+"""Architecture name (``config.json`` ``architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from tpspec.models.llama import LlamaForCausalLM
+from tpspec.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str):
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random Llama and Qwen3 checkpoints written by transformers' save_pretrained."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+TINY = dict(
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=6,  # uneven at TP 4 (2, 2, 1, 1): exercises the uneven head split
+    num_key_value_heads=2,
+    vocab_size=1000,  # padded to 1024: exercises vocab padding on the last shard
+    max_position_embeddings=512,
+    initializer_range=0.15,  # peaky logits: greedy decisions far from ties
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "import os\nimport sys\n\nfor i in range(10):\n    print(i)\n",
+    "Tensor parallelism splits the vocabulary across ranks.",
+] * 50
+
+
+def write_tokenizer(folder: str, vocab_size: int = 400) -> None:
+    """A small byte-level BPE tokenizer trained on a fixed corpus, plus a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "chat_template": template,
+             "tokenizer_class": "PreTrainedTokenizerFast"},
+            f,
+        )
+
+
+def _write_tiny(folder: str, arch: str, **overrides) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    kw = dict(TINY, **overrides)
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+    model = model_cls(cfg_cls(**kw)).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return _write_tiny(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory) -> str:
+    return _write_tiny(str(tmp_path_factory.mktemp("tiny-llama-tied")), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return _write_tiny(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3")
