@@ -1,0 +1,314 @@
+"""Full-vocabulary sampler: greedy argmax or filtered Gumbel-max, plus optional logprobs.
+
+The sampled token is a pure function of (logits, sampling params, seed, position): the noise
+comes from ``gumbel.gumbel(seed, position, token_id, SAMPLE)``, never from a global RNG.
+
+Per random row, in order:
+  1. ``scaled = logits.float() / temperature`` (a division: a vocab-parallel sampler must do the
+     same to match bit for bit);
+  2. top-k: keep every token whose scaled logit is >= the k-th largest (ties at the k-th value
+     are all kept, so more than k tokens may survive);
+  3. top-p, on the softmax of what top-k kept: sort descending, find the shortest prefix whose
+     cumulative probability reaches top_p (at least one token), and keep every token whose logit
+     is >= the logit of the prefix's last token (ties at the boundary are all kept);
+  4. min-p: keep tokens with ``p >= min_p * p_max``, evaluated as
+     ``scaled >= max(scaled) + log(min_p)`` (ties kept, the maximum always survives);
+  5. ``argmax(masked + gumbel)``; an exact tie goes to the lowest token id.
+Greedy rows (temperature 0) take ``argmax(logits)``, ties to the lowest token id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tpspec.sample.gumbel import SAMPLE, gumbel
+from tpspec.sampling_params import SamplingParams
+
+# Top-p looks for its prefix among this many best tokens, growing to a full sort (see apply_top_p).
+_TOP_P_CANDIDATES = (256, 4096, 2**62)
+_INT64_MIN = -(2**63)
+
+
+def _to_int64(seed: int) -> int:
+    """Any Python int, reduced modulo 2^64 into the int64 range."""
+    return (seed - _INT64_MIN) % 2**64 + _INT64_MIN
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling settings of one batch, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [rows] float32, 0 = greedy
+    top_k: torch.Tensor  # [rows] int64, 0 = off
+    top_p: torch.Tensor  # [rows] float32, 1 = off
+    min_p: torch.Tensor  # [rows] float32, 0 = off
+    seeds: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64, position of the token being sampled
+    max_num_logprobs: int | None  # None: no logprobs; n >= 0: sampled logprob + top n
+    all_greedy: bool
+    all_random: bool
+    no_top_k_top_p_min_p: bool
+
+    def __post_init__(self) -> None:
+        rows = self.temperature.shape
+        expected = {
+            "temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32,
+            "min_p": torch.float32, "seeds": torch.int64, "positions": torch.int64,
+        }
+        for name, dtype in expected.items():
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape != rows or t.dtype != dtype:
+                raise ValueError(
+                    f"{name} must be a [rows] {dtype} tensor with rows={tuple(rows)}, "
+                    f"got shape {tuple(t.shape)} dtype {t.dtype}"
+                )
+        if self.max_num_logprobs is not None and self.max_num_logprobs < 0:
+            raise ValueError(f"max_num_logprobs must be None or >= 0, got {self.max_num_logprobs}")
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        positions: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> "SamplingMetadata":
+        """One row per entry; ``seeds`` are any ints (reduced modulo 2^64)."""
+        if not len(params) == len(seeds) == len(positions):
+            raise ValueError(
+                f"params, seeds and positions must have equal lengths, got "
+                f"{len(params)}, {len(seeds)} and {len(positions)}"
+            )
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor([p.top_k for p in params], torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seeds=tensor([_to_int64(s) for s in seeds], torch.int64),
+            positions=tensor(list(positions), torch.int64),
+            max_num_logprobs=max(requested) if requested else None,
+            all_greedy=all(p.is_greedy for p in params),
+            all_random=not any(p.is_greedy for p in params),
+            no_top_k_top_p_min_p=all(
+                p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """Logprobs of the raw logits (temperature and filters not applied)."""
+
+    token_logprob: torch.Tensor  # [rows] float32, at the sampled token
+    topk_logprobs: torch.Tensor  # [rows, n] float32, descending
+    topk_token_ids: torch.Tensor  # [rows, n] int64, ties ordered by lowest id
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprobs: SampledLogprobs | None
+
+
+def apply_top_k(
+    logits: torch.Tensor,  # [rows, vocab_size] float32
+    top_k: torch.Tensor,  # [rows] int64, 0 = off
+) -> torch.Tensor:
+    """Mask to -inf every logit below the row's k-th largest (the input is not modified)."""
+    vocab = logits.shape[-1]
+    k = top_k.clamp(min=0, max=vocab)
+    k_max = int(k.max())
+    if k_max == 0:
+        return logits
+    top = torch.topk(logits, k_max, dim=-1).values  # [rows, k_max], descending
+    kth = top.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1))  # [rows, 1]
+    drop = (logits < kth) & (k > 0).unsqueeze(-1)
+    return logits.masked_fill(drop, -math.inf)
+
+
+def _top_p_threshold(
+    sorted_logits: torch.Tensor,  # [rows, n] float32, descending
+    lse: torch.Tensor,  # [rows, 1] float32, logsumexp over the whole row
+    top_p: torch.Tensor,  # [rows] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logit of the last token of the top-p prefix ``[rows, 1]``, and whether it was found."""
+    cum = (sorted_logits - lse).exp_().cumsum(dim=-1)  # [rows, n]
+    length = (cum < top_p.unsqueeze(-1)).sum(dim=-1, keepdim=True) + 1  # [rows, 1]
+    found = length <= sorted_logits.shape[-1]
+    index = length.clamp(max=sorted_logits.shape[-1]) - 1
+    return sorted_logits.gather(-1, index), found.squeeze(-1)
+
+
+def apply_top_p(
+    logits: torch.Tensor,  # [rows, vocab_size] float32
+    top_p: torch.Tensor,  # [rows] float32, 1 = off
+) -> torch.Tensor:
+    """Mask to -inf every token outside the row's top-p nucleus (the input is not modified).
+
+    The prefix is searched among the best 256 tokens, then 4096, then the whole sorted vocab,
+    each stage only for rows not yet resolved. On CPU the cumulative sums over a common prefix
+    are the same numbers at every stage, so the stage that resolves a row does not change its
+    result (a GPU scan may round differently in the last bit).
+    """
+    rows = torch.nonzero(top_p < 1.0).squeeze(-1)
+    if rows.numel() == 0:
+        return logits
+    sub = logits.index_select(0, rows)  # [n_rows, vocab_size]
+    lse = torch.logsumexp(sub, dim=-1, keepdim=True)  # [n_rows, 1]
+    sub_p = top_p.index_select(0, rows)  # [n_rows]
+    vocab = sub.shape[-1]
+    threshold = torch.empty_like(lse)  # [n_rows, 1]
+    pending = torch.arange(rows.numel(), device=logits.device)
+    for n in _TOP_P_CANDIDATES:
+        part = sub.index_select(0, pending)
+        if n >= vocab:
+            best = torch.sort(part, dim=-1, descending=True).values
+        else:
+            best = torch.topk(part, n, dim=-1).values
+        thr, found = _top_p_threshold(best, lse.index_select(0, pending), sub_p.index_select(0, pending))
+        threshold.index_copy_(0, pending, thr)
+        if n >= vocab or bool(found.all()):
+            break
+        pending = pending[~found]
+    out = logits.clone()
+    out.index_copy_(0, rows, sub.masked_fill(sub < threshold, -math.inf))
+    return out
+
+
+def apply_min_p(
+    logits: torch.Tensor,  # [rows, vocab_size] float32
+    min_p: torch.Tensor,  # [rows] float32, 0 = off
+) -> torch.Tensor:
+    """Mask to -inf tokens with ``p < min_p * p_max``, compared in logit space (input not modified)."""
+    on = min_p > 0
+    if not bool(on.any()):
+        return logits
+    floor = logits.amax(dim=-1) + torch.log(min_p.clamp(min=1e-30))  # [rows]
+    drop = (logits < floor.unsqueeze(-1)) & on.unsqueeze(-1)
+    return logits.masked_fill(drop, -math.inf)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,  # [rows, vocab_size] float32, temperature already applied
+    top_k: torch.Tensor,  # [rows] int64
+    top_p: torch.Tensor,  # [rows] float32
+    min_p: torch.Tensor,  # [rows] float32
+) -> torch.Tensor:
+    """The three filters in the documented order; masked entries are -inf."""
+    return apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)
+
+
+def _topk_by_key(
+    logprobs: torch.Tensor,  # [rows, vocab_size] float32
+    n: int,
+) -> torch.Tensor:
+    """Ids of the top n, equal values ordered by lowest id: one int64 key per token, no ties.
+
+    The key is the float's order-preserving bit pattern in the high half and the inverted token
+    id in the low half.
+    """
+    bits = (logprobs + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotonic in the float value
+    ids = torch.arange(logprobs.shape[-1], device=logprobs.device, dtype=torch.int64)
+    return torch.topk(ordered * 2**32 + (0xFFFFFFFF - ids), n, dim=-1).indices  # [rows, n]
+
+
+def _topk_logprobs(
+    logprobs: torch.Tensor,  # [rows, vocab_size] float32
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-n (values, ids), descending, equal values ordered by lowest id, deterministically.
+
+    ``torch.topk`` picks the set unless a tie crosses the n-th place; such rows use the exact
+    key. The chosen set is then ordered by (value descending, id ascending).
+    """
+    _, top_ids = torch.topk(logprobs, n, dim=-1)  # [rows, n]
+    if n == 0:
+        return logprobs.gather(-1, top_ids), top_ids
+    nth = logprobs.gather(-1, top_ids[:, -1:])  # [rows, 1]
+    tied = torch.nonzero((logprobs >= nth).sum(dim=-1) > n).squeeze(-1)
+    if tied.numel() > 0:
+        top_ids = top_ids.index_copy(0, tied, _topk_by_key(logprobs.index_select(0, tied), n))
+    top_ids = top_ids.sort(dim=-1).values
+    order = logprobs.gather(-1, top_ids).sort(dim=-1, descending=True, stable=True).indices
+    top_ids = top_ids.gather(-1, order)
+    return logprobs.gather(-1, top_ids), top_ids
+
+
+class Sampler:
+    """Samples one token per row from full-vocabulary logits."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [rows, vocab_size] float, padding removed
+        metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
+            raise ValueError(
+                f"logits must be [rows, vocab_size] with rows={metadata.temperature.shape[0]}, "
+                f"got {tuple(logits.shape)}"
+            )
+        logits = logits.float()
+        if metadata.all_random:
+            sampled = self._sample_random(logits, metadata)
+        else:
+            sampled = logits.argmax(dim=-1)  # first maximum: lowest id on ties
+            if not metadata.all_greedy:
+                rows = torch.nonzero(metadata.temperature > 0).squeeze(-1)
+                sub = _select_rows(metadata, rows)
+                random_ids = self._sample_random(logits.index_select(0, rows), sub)
+                sampled = sampled.index_copy(0, rows, random_ids)
+
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            all_logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab_size]
+            n = min(metadata.max_num_logprobs, logits.shape[-1])
+            top_values, top_ids = _topk_logprobs(all_logprobs, n)
+            logprobs = SampledLogprobs(
+                token_logprob=all_logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1),
+                topk_logprobs=top_values,
+                topk_token_ids=top_ids,
+            )
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor,  # [rows, vocab_size] float32, every row random
+        metadata: SamplingMetadata,
+    ) -> torch.Tensor:
+        scaled = logits / metadata.temperature.unsqueeze(-1)
+        if not metadata.no_top_k_top_p_min_p:
+            scaled = apply_top_k_top_p_min_p(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
+        token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
+        noise = gumbel(metadata.seeds, metadata.positions, token_ids, SAMPLE)
+        return noise.add_(scaled).argmax(dim=-1)
+
+
+def _select_rows(
+    metadata: SamplingMetadata,
+    rows: torch.Tensor,  # [n] int64, indices of random rows
+) -> SamplingMetadata:
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, rows)
+
+    return SamplingMetadata(
+        temperature=pick(metadata.temperature),
+        top_k=pick(metadata.top_k),
+        top_p=pick(metadata.top_p),
+        min_p=pick(metadata.min_p),
+        seeds=pick(metadata.seeds),
+        positions=pick(metadata.positions),
+        max_num_logprobs=None,
+        all_greedy=False,
+        all_random=True,
+        no_top_k_top_p_min_p=metadata.no_top_k_top_p_min_p,
+    )

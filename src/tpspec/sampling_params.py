@@ -1,0 +1,147 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``.
+
+User errors raise ``ValueError`` naming the field, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Temperatures in (0, MIN_TEMPERATURE) overflow float32 logits / T; they are raised to this value.
+MIN_TEMPERATURE = 1e-2
+# Most top logprobs a request may ask for.
+MAX_LOGPROBS = 20
+
+
+def _check_int(name: str, value: Any, allowed: str, ok: Callable[[int], bool] | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer ({allowed}), got {value!r}")
+    if ok is not None and not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    After construction ``stop`` and ``stop_token_ids`` are tuples (empty when unset), ``top_k``
+    is 0 when disabled (-1 is accepted as an alias) and the numeric fields are plain floats.
+    """
+
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs; 0 = only the sampled token's
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, "only 1 is supported", lambda v: v == 1)
+
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %g is below %g and would overflow the logits; using %g",
+                temperature, MIN_TEMPERATURE, MIN_TEMPERATURE,
+            )
+            temperature = MIN_TEMPERATURE
+        object.__setattr__(self, "temperature", temperature)
+
+        top_p = _check_float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        object.__setattr__(self, "top_p", top_p)
+
+        _check_int("top_k", self.top_k, "0 or -1 (disabled) or >= 1", lambda v: v >= -1)
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+
+        min_p = _check_float("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        object.__setattr__(self, "min_p", min_p)
+
+        if self.seed is not None:
+            _check_int("seed", self.seed, "any integer or None")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, ">= 1 or None", lambda v: v >= 1)
+        if self.logprobs is not None:
+            _check_int(
+                "logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or None",
+                lambda v: 0 <= v <= MAX_LOGPROBS,
+            )
+
+        object.__setattr__(self, "stop", self._normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r} in {stop!r}")
+        return tuple(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers or None, got {ids!r}")
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"stop_token_ids must contain integers >= 0, got {i!r} in {ids!r}")
+        return tuple(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
+        """Build from a mapping of field names to values; unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
