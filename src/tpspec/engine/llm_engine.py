@@ -201,8 +201,10 @@ class LLMEngine:
         req = tracked.req
         new_ids = req.output_token_ids[tracked.num_reported_tokens :]
         tracked.num_reported_tokens = len(req.output_token_ids)
-        new_text, tracked.pending_text = tracked.pending_text, ""
         finished = req.status.finished
+        if finished:  # release text held back as a possible stop-string start
+            tracked.pending_text += tracked.detok.flush()
+        new_text, tracked.pending_text = tracked.pending_text, ""
         if finished:
             self._tracked.pop(req.request_id, None)
             self.stats["num_requests_finished"] += 1
