@@ -1,4 +1,8 @@
-"""The driver (rank 0, in the engine's process) plus tp−1 spawned worker processes.
+"""The driver (rank 0, in the engine's process) plus tp−1 worker processes.
+
+Workers are fresh interpreters (``python -m tpspec.distributed.executor``) that read their
+arguments from stdin, so they never re-import the user's main module (a script without an
+``if __name__ == "__main__"`` guard works).
 
 Each step the driver broadcasts the step input over the gloo control group and every rank runs
 the model on it (SPMD). A dead worker breaks the next collective at once (gloo reports the closed
@@ -10,10 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing as mp
-from multiprocessing.connection import wait as wait_for_processes
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import traceback
 
@@ -78,19 +83,16 @@ class Executor:
     def __init__(self, config: EngineConfig, device_kind: str):
         self.config = config
         self.tp = config.parallel.tensor_parallel_size
-        self.workers: list[mp.Process] = []
+        self.workers: list[subprocess.Popen] = []
         self.dead: str | None = None
         self._closed = False
         torch.set_num_threads(_threads_per_rank(self.tp))
         init_method = f"tcp://127.0.0.1:{get_free_port()}"
-        if self.tp > 1:
-            ctx = mp.get_context("spawn")
-            for rank in range(1, self.tp):
-                p = ctx.Process(
-                    target=_worker_main, args=(rank, config, device_kind, init_method), daemon=True, name=f"tpspec-tp{rank}"
-                )
-                p.start()
-                self.workers.append(p)
+        for rank in range(1, self.tp):
+            p = subprocess.Popen([sys.executable, "-m", "tpspec.distributed.executor"], stdin=subprocess.PIPE)
+            p.stdin.write(pickle.dumps((rank, config, device_kind, init_method)))
+            p.stdin.close()
+            self.workers.append(p)
         try:
             device = _device(device_kind, 0)
             init_distributed(0, self.tp, init_method, config.parallel.backend, device, config.parallel.worker_timeout_s)
@@ -100,20 +102,17 @@ class Executor:
         except Exception:
             self.shutdown()
             raise
-        if self.workers:
-            self._watchdog = threading.Thread(target=self._watch, name="tpspec-watchdog", daemon=True)
-            self._watchdog.start()
+        for rank, p in enumerate(self.workers, start=1):
+            threading.Thread(target=self._watch, args=(rank, p), name=f"tpspec-watchdog-{rank}", daemon=True).start()
 
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: p for p in self.workers}
-        ready = wait_for_processes(list(sentinels))
-        if not self._closed:
-            p = sentinels[ready[0]]
-            self.dead = f"TP worker {p.name} (pid {p.pid}) died with exit code {p.exitcode}"
+    def _watch(self, rank: int, p: subprocess.Popen) -> None:
+        code = p.wait()
+        if not self._closed and not self.dead:
+            self.dead = f"TP worker rank {rank} (pid {p.pid}) died with exit code {code}"
             logger.error(self.dead)
 
     def _rpc(self, kind: str, arg) -> None:
@@ -146,8 +145,13 @@ class Executor:
             except RuntimeError:
                 pass
         for p in self.workers:
-            p.join(timeout=5)
-            if p.is_alive():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join(timeout=5)
+                p.wait(timeout=5)
         destroy_distributed()
+
+
+if __name__ == "__main__":
+    _worker_main(*pickle.load(sys.stdin.buffer))
