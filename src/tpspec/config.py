@@ -136,6 +136,84 @@ class SchedulerConfig:
             )
 
 
+SPEC_METHODS = ("draft_model", "ngram")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config``: JSON keys named as in vLLM."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft checkpoint (.gguf or folder) for model-based methods
+    use_local_argmax_reduction: bool = False
+    draft_sample_method: str = "greedy"
+    draft_tensor_parallel_size: int | None = None  # None = the target's
+    prompt_lookup_min: int | None = None  # ngram
+    prompt_lookup_max: int | None = None  # ngram
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        for key in ("use_local_argmax_reduction",):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"speculative_config.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(
+                f"speculative_config.draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
+                f"got {self.draft_sample_method!r}"
+            )
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a path string, got {self.model!r}")
+        if self.draft_tensor_parallel_size is not None:
+            _check_int("speculative_config.draft_tensor_parallel_size", self.draft_tensor_parallel_size, 1, 64)
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model must not be set for method 'ngram' (it uses no model)")
+            if self.use_local_argmax_reduction:
+                raise ValueError(
+                    "speculative_config.use_local_argmax_reduction=true needs a draft model's LM head; "
+                    "method 'ngram' has no model"
+                )
+            if self.draft_sample_method != "greedy":
+                raise ValueError("speculative_config.draft_sample_method must be 'greedy' for method 'ngram'")
+            lo = 2 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            hi = max(lo, 4) if self.prompt_lookup_max is None else self.prompt_lookup_max
+            _check_int("speculative_config.prompt_lookup_min", lo, 1, 64)
+            _check_int("speculative_config.prompt_lookup_max", hi, 1, 64)
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            if self.model is None:
+                raise ValueError(f"speculative_config.model is required for method {self.method!r}")
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"speculative_config.{key} only applies to method 'ngram'")
+
+    @classmethod
+    def from_dict(cls, d: "dict | str") -> "SpeculativeConfig":
+        """From a dict or a JSON string; unknown keys and wrong types raise ``ValueError``."""
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative_config.{key} is required")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # resolved Hugging Face–format folder
@@ -145,6 +223,13 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    draft_arch: ModelArchConfig | None = None  # the draft checkpoint's shape (model-based methods)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved past the verified tokens, for the drafter's own writes."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES[1:]:
@@ -164,6 +249,18 @@ class EngineConfig:
                 f"tensor_parallel_size={tp} does not divide the model's intermediate_size "
                 f"({a.intermediate_size}); allowed sizes: {allowed}"
             )
+        spec = self.speculative
+        if spec is not None:
+            if spec.draft_tensor_parallel_size not in (None, 1, tp):
+                raise ValueError(
+                    f"speculative_config.draft_tensor_parallel_size must be 1 or the target's "
+                    f"tensor_parallel_size ({tp}), got {spec.draft_tensor_parallel_size}"
+                )
+            if self.draft_arch is not None and self.draft_arch.vocab_size != a.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocab_size ({self.draft_arch.vocab_size}) differs from the target's "
+                    f"({a.vocab_size}); a draft must share the target's vocabulary"
+                )
         if self.scheduler.max_model_len > a.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.scheduler.max_model_len}) exceeds the model's "

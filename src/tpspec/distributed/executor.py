@@ -87,6 +87,7 @@ class Executor:
         self.dead: str | None = None
         self._closed = False
         torch.set_num_threads(_threads_per_rank(self.tp))
+        comm.reset_comm_stats()  # counters are per process; start this engine's from zero
         init_method = f"tcp://127.0.0.1:{get_free_port()}"
         for rank in range(1, self.tp):
             p = subprocess.Popen([sys.executable, "-m", "tpspec.distributed.executor"], stdin=subprocess.PIPE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -69,3 +70,15 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _STATE.world_size
+
+
+@contextmanager
+def single_rank():
+    """Run the enclosed code as if TP were 1 (a replicated draft model: no sharding, no collectives)."""
+    global _STATE
+    saved = _STATE
+    _STATE = ParallelState(0, 1, saved.device, "none", None, None)
+    try:
+        yield
+    finally:
+        _STATE = saved

@@ -33,12 +33,6 @@ class BlockManager:
             req.block_ids.append(self.free_blocks.popleft())
         return True
 
-    def trim(self, req: Request, num_tokens: int) -> None:
-        """Give back the blocks past the first ``num_tokens`` tokens (e.g. of rejected drafts)."""
-        keep = self.blocks_needed(num_tokens)
-        while len(req.block_ids) > keep:
-            self.free_blocks.append(req.block_ids.pop())
-
     def free(self, req: Request) -> None:
         self.free_blocks.extend(reversed(req.block_ids))
         req.block_ids = []

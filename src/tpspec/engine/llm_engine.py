@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
 import torch
 
-from tpspec.config import CacheConfig, EngineConfig, ModelArchConfig, ParallelConfig, SchedulerConfig, resolve_dtype
+from tpspec.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelArchConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    resolve_dtype,
+)
 from tpspec.distributed import comm
 from tpspec.distributed.executor import Executor
 from tpspec.engine.detokenizer import IncrementalDetokenizer
@@ -17,6 +26,8 @@ from tpspec.engine.scheduler import Scheduler
 from tpspec.engine.sequence import Request, RequestStatus
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
+from tpspec.spec_decode.metrics import SpecDecodeStats
+from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.tokenizer import Tokenizer
 from tpspec.worker.step import StepOutput
 
@@ -59,7 +70,14 @@ class LLMEngine:
                 f"max_model_len={config.scheduler.max_model_len}: raise the KV cache size or lower max_model_len"
             )
         self.block_manager = BlockManager(num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_tokens)
+        spec = config.speculative
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
+        self.ngram = (
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+            if spec is not None and spec.method == "ngram"
+            else None
+        )
         eos = set(config.arch.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -92,8 +110,16 @@ class LLMEngine:
         seed: int = 0,
         device: str = "auto",
         enable_chunked_prefill: bool = True,
+        speculative_config: dict | str | SpeculativeConfig | None = None,
     ) -> "LLMEngine":
         device_kind = _device_kind(device)
+        spec = speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_dict(spec)
+        draft_arch = None
+        if spec is not None and spec.model is not None:
+            spec = dataclasses.replace(spec, model=resolve_model(spec.model))
+            draft_arch = ModelArchConfig.from_folder(spec.model)
         folder = resolve_model(model)
         arch = ModelArchConfig.from_folder(folder)
         config = EngineConfig(
@@ -109,10 +135,14 @@ class LLMEngine:
                 max_model_len=max_model_len or arch.max_position_embeddings,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
+            speculative=spec,
+            draft_arch=draft_arch,
         )
         from tpspec.models.registry import get_model_class
 
         get_model_class(arch.architecture)  # unsupported architecture: fail before spawning anything
+        if draft_arch is not None:
+            get_model_class(draft_arch.architecture)
         return cls(config, Tokenizer.from_pretrained(folder), device_kind)
 
     # ---- requests -------------------------------------------------------------------------
@@ -178,22 +208,36 @@ class LLMEngine:
         result: StepOutput = self.executor.execute(sched.step_input())
         self.stats["num_steps"] += 1
         touched = self.scheduler.update(sched, result)
-        lp_by_req = {
-            req.request_id: lp for req, lp in zip(sched.requests, result.logprobs) if lp is not None
-        }
+        if self.spec_stats is not None:
+            for spec, accepted in zip(sched.spec_token_ids, result.num_accepted):
+                self.spec_stats.observe(len(spec), accepted)
+        index = {req.request_id: i for i, req in enumerate(sched.requests)}
         outputs = []
-        for req in touched:
+        for req, emitted in touched:
+            i = index[req.request_id]
             tracked = self._tracked[req.request_id]
-            self.stats["num_generation_tokens"] += 1
-            if tracked.logprobs is not None and req.request_id in lp_by_req:
-                lp = lp_by_req[req.request_id]
-                entry = dict(lp.top)
-                entry[req.output_token_ids[-1]] = lp.token_logprob
-                tracked.logprobs.append(entry)
-            tracked.pending_text += tracked.detok.update(req.output_token_ids[tracked.num_reported_tokens :])
-            if tracked.detok.finished_by_stop is not None and not req.status.finished:
-                req.stop_reason = tracked.detok.finished_by_stop
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            before = len(req.output_token_ids) - emitted
+            new_tokens = req.output_token_ids[before:]
+            if tracked.logprobs is not None and result.logprobs[i] is not None:
+                for token, lp in zip(new_tokens, result.logprobs[i]):
+                    entry = dict(lp.top)
+                    entry[token] = lp.token_logprob
+                    tracked.logprobs.append(entry)
+            tracked.pending_text += tracked.detok.update(new_tokens)
+            if tracked.detok.finished_by_stop is not None:
+                # Tokens after the one that completed the stop string are never emitted.
+                del req.output_token_ids[tracked.detok.num_output_tokens :]
+                if tracked.logprobs is not None:
+                    del tracked.logprobs[tracked.detok.num_output_tokens :]
+                if not req.status.finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tracked.detok.finished_by_stop
+            elif not req.status.finished:
+                if result.drafts:
+                    req.set_drafts(result.drafts[i], self.config.scheduler.max_model_len)
+                elif self.ngram is not None:
+                    req.set_drafts(self.ngram.propose(req.all_token_ids), self.config.scheduler.max_model_len)
+            self.stats["num_generation_tokens"] += len(req.output_token_ids) - before
             outputs.append(self._output(tracked))
         return outputs
 
@@ -238,6 +282,8 @@ class LLMEngine:
             kv_cache_usage=self.block_manager.usage,
             comm=comm.get_comm_stats(),
         )
+        if self.spec_stats is not None:
+            s.update(self.spec_stats.as_dict())
         return s
 
     def shutdown(self) -> None:

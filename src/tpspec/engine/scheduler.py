@@ -23,31 +23,37 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # real (non-draft) tokens fed per request
+    spec_token_ids: list[list[int]] = field(default_factory=list)  # drafts verified per request
     num_preempted: int = 0
+    finished_req_ids: list[str] = field(default_factory=list)
 
     def step_input(self) -> StepInput:
         seqs = []
-        for req, n in zip(self.requests, self.num_new_tokens):
+        for req, n, spec in zip(self.requests, self.num_new_tokens, self.spec_token_ids):
             start = req.num_computed_tokens
             seqs.append(
                 SeqStep(
                     req_id=req.request_id,
-                    token_ids=req.all_token_ids[start : start + n],
+                    token_ids=req.all_token_ids[start : start + n] + spec,
                     start_pos=start,
                     block_table=list(req.block_ids),
                     sample=start + n == req.num_tokens,
                     params=req.sampling_params,
                     seed=req.seed,
+                    num_spec=len(spec),
                 )
             )
-        return StepInput(seqs)
+        return StepInput(seqs, self.finished_req_ids)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_tokens: int = 0):
         self.config = config
         self.block_manager = block_manager
+        # KV slots reserved past a request's scheduled tokens for the drafter's writes.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.finished_req_ids: list[str] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -72,6 +78,7 @@ class Scheduler:
         if not req.status.finished:
             req.status = status
         self.block_manager.free(req)
+        self.finished_req_ids.append(request_id)
         return req
 
     def _preempt(self, req: Request) -> None:
@@ -79,18 +86,23 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = []
         budget = self.config.max_num_batched_tokens
+        lookahead = self.num_lookahead_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.block_manager.allocate(req, req.num_computed_tokens + n):
+            # Drafts ride along with a decode (one real token), as far as the budget allows.
+            spec = req.spec_token_ids[: budget - n] if req.num_tokens - req.num_computed_tokens == 1 else []
+            while not self.block_manager.allocate(req, req.num_computed_tokens + n + len(spec) + lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -100,7 +112,8 @@ class Scheduler:
                 break  # preempted itself: nothing behind it is left either
             out.requests.append(req)
             out.num_new_tokens.append(n)
-            budget -= n
+            out.spec_token_ids.append(spec)
+            budget -= n + len(spec)
             i += 1
         if out.num_preempted:
             return out
@@ -111,27 +124,34 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.block_manager.allocate(req, req.num_computed_tokens + n):
+            if not self.block_manager.allocate(req, req.num_computed_tokens + n + lookahead):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(req)
             out.num_new_tokens.append(n)
+            out.spec_token_ids.append([])
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, result: StepOutput) -> list[Request]:
-        """Apply a step's sampled tokens; returns the requests that gained tokens or finished."""
+    def update(self, out: SchedulerOutput, result: StepOutput) -> list[tuple[Request, int]]:
+        """Apply a step's verified tokens; returns (request, number of new tokens) for each request
+        that gained tokens. A request that stops inside an accepted run keeps no token past the stop."""
         touched = []
-        for req, n, token in zip(out.requests, out.num_new_tokens, result.sampled):
+        for i, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
             if req.status.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += n
-            if token is None:
-                continue
-            req.output_token_ids.append(token)
-            touched.append(req)
-            if req.check_stop(token):
-                self.finish_request(req.request_id, req.status)
+            accepted = result.num_accepted[i] if result.num_accepted else 0
+            req.num_computed_tokens += n + accepted  # KV of rejected drafts is dropped (overwritten later)
+            req.spec_token_ids = []
+            emitted = 0
+            for token in result.sampled[i]:
+                req.output_token_ids.append(token)
+                emitted += 1
+                if req.check_stop(token):
+                    self.finish_request(req.request_id, req.status)
+                    break
+            if emitted:
+                touched.append((req, emitted))
         return touched

@@ -134,6 +134,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
         return self.logits_processor.compute_logits(self.lm_head, hidden, site)
 
+    def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
+        """hidden: [num_rows, hidden_size] -> [num_rows] int64, equal to
+        ``compute_logits(hidden).argmax(-1)``, gathering 8·tp bytes per row instead of 4·vocab."""
+        return self.logits_processor.get_top_tokens(self.lm_head, hidden, site)
+
     def _target(self, name: str):
         """Map a checkpoint tensor name to (module, parameter, shard id), or None to skip it."""
         if name.startswith("model."):

@@ -207,6 +207,22 @@ def apply_top_k_top_p_min_p(
     return apply_min_p(apply_top_p(apply_top_k(logits, top_k), top_p), min_p)
 
 
+def processed_logits(
+    logits: torch.Tensor,  # [rows, vocab_size] float32, every row random (temperature > 0)
+    metadata: SamplingMetadata,  # the same rows
+) -> torch.Tensor:
+    """What a random row draws from: ``logits / temperature``, then top-k, top-p, min-p (masked
+    entries -inf). ``softmax`` of it is the row's distribution; ``argmax(it + gumbel)`` a draw.
+
+    The Sampler and the rejection sampler both go through here, so plain sampling and
+    speculative verification see the same distribution, bit for bit.
+    """
+    scaled = logits / metadata.temperature.unsqueeze(-1)
+    if not metadata.no_top_k_top_p_min_p:
+        scaled = apply_top_k_top_p_min_p(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
+    return scaled
+
+
 def _topk_by_key(
     logprobs: torch.Tensor,  # [rows, vocab_size] float32
     n: int,
@@ -264,7 +280,7 @@ class Sampler:
             sampled = logits.argmax(dim=-1)  # first maximum: lowest id on ties
             if not metadata.all_greedy:
                 rows = torch.nonzero(metadata.temperature > 0).squeeze(-1)
-                sub = _select_rows(metadata, rows)
+                sub = select_rows(metadata, rows)
                 random_ids = self._sample_random(logits.index_select(0, rows), sub)
                 sampled = sampled.index_copy(0, rows, random_ids)
 
@@ -285,18 +301,17 @@ class Sampler:
         logits: torch.Tensor,  # [rows, vocab_size] float32, every row random
         metadata: SamplingMetadata,
     ) -> torch.Tensor:
-        scaled = logits / metadata.temperature.unsqueeze(-1)
-        if not metadata.no_top_k_top_p_min_p:
-            scaled = apply_top_k_top_p_min_p(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
+        scaled = processed_logits(logits, metadata)
         token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
         noise = gumbel(metadata.seeds, metadata.positions, token_ids, SAMPLE)
         return noise.add_(scaled).argmax(dim=-1)
 
 
-def _select_rows(
+def select_rows(
     metadata: SamplingMetadata,
     rows: torch.Tensor,  # [n] int64, indices of random rows
 ) -> SamplingMetadata:
+    """The given rows, all random (temperature > 0), as their own metadata (no logprobs)."""
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, rows)
 

@@ -17,7 +17,13 @@ from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.sample.sampler import Sampler, SamplingMetadata
-from tpspec.worker.step import StepInput, StepOutput, TokenLogprobs
+from tpspec.spec_decode.draft_model import DraftModelProposer
+from tpspec.spec_decode.rejection_sampler import RejectionSampler
+from tpspec.spec_decode.speculator import DraftInput
+from tpspec.worker.step import SeqStep, StepInput, StepOutput, TokenLogprobs
+
+# Model-based drafters (built on every rank); other methods propose on the driver.
+SPECULATORS = {"draft_model": DraftModelProposer}
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +73,22 @@ class ModelRunner:
             get_tp_rank(), len(loaded), sum(p.numel() for p in self.model.parameters()),
             time.perf_counter() - t0, self.num_blocks, self.block_size,
         )
+        self.load_speculator()
+
+    def load_speculator(self) -> None:
+        """Build the model-based drafter, if the engine speculates with one (ngram runs on the driver)."""
+        spec = self.config.speculative
+        self.speculator = None
+        self.rejection_sampler = RejectionSampler() if spec is not None else None
+        self._draft_dists: dict[str, torch.Tensor] = {}  # req id -> [k, vocab] q of its pending drafts
+        if spec is not None and spec.method in SPECULATORS:
+            self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
+            self.speculator.load_model(self.model, self.num_blocks * self.block_size)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        for req_id in step.finished_req_ids:
+            self._draft_dists.pop(req_id, None)
         seqs = step.seqs
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in seqs])
@@ -82,28 +101,98 @@ class ModelRunner:
             self.device,
         )
         hidden, _ = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, md)
-        ends = torch.cumsum(torch.tensor(query_lens), 0) - 1
-        rows = [i for i, s in enumerate(seqs) if s.sample]
-        sampled: list[int | None] = [None] * len(seqs)
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        if not rows:
-            return StepOutput(sampled, logprobs)
-        logits = self.model.compute_logits(hidden[ends[rows].to(self.device)])  # [num_rows, vocab_size]
-        meta = SamplingMetadata.from_params(
-            [seqs[i].params for i in rows],
-            [seqs[i].seed for i in rows],
-            [seqs[i].start_pos + len(seqs[i].token_ids) for i in rows],
+
+        # Rows to score: per sampling sequence, each draft position and the bonus position.
+        ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
+        sampling = [i for i, s in enumerate(seqs) if s.sample]
+        rows = [r for i in sampling for r in range(ends[i] - 1 - seqs[i].num_spec, ends[i])]
+        sampled: list[list[int]] = [[] for _ in seqs]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(seqs)
+        num_accepted = [0] * len(seqs)
+        if rows:
+            site = "sample" if self.rejection_sampler is None else "verify.sample"
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], site)  # [rows, vocab]
+            row_seq = [i for i in sampling for _ in range(seqs[i].num_spec + 1)]
+            meta = SamplingMetadata.from_params(
+                [seqs[i].params for i in row_seq],
+                [seqs[i].seed for i in row_seq],
+                [seqs[i].start_pos + len(seqs[i].token_ids) - seqs[i].num_spec + j
+                 for i in sampling for j in range(seqs[i].num_spec + 1)],
+                device=self.device,
+            )
+            if self.rejection_sampler is None:
+                tokens = self.sampler(logits, meta).sampled_token_ids.tolist()
+                for j, i in enumerate(sampling):
+                    sampled[i] = [tokens[j]]
+            else:
+                out = self._verify(seqs, sampling, logits, meta)
+                for j, i in enumerate(sampling):
+                    sampled[i], num_accepted[i] = out.output_token_ids[j], out.num_accepted[j]
+            self._logprobs(seqs, sampling, logits, sampled, logprobs)
+        drafts = self._propose(seqs, sampled) if self.speculator is not None else []
+        return StepOutput(sampled, logprobs, num_accepted, drafts)
+
+    def _verify(self, seqs: list[SeqStep], sampling: list[int], logits: torch.Tensor, meta: SamplingMetadata):
+        """Rejection-sample the drafts of every sampling sequence (k = 0: plain sampling)."""
+        draft_ids, num_drafts, dists = [], [], []
+        for i in sampling:
+            s = seqs[i]
+            drafts = s.token_ids[len(s.token_ids) - s.num_spec :]
+            draft_ids += drafts
+            num_drafts.append(s.num_spec)
+            q = self._draft_dists.pop(s.req_id, None)
+            dists.append(q if q is not None and q.shape[0] == s.num_spec else None)
+        draft_tensor = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
+        draft_dists = None
+        if any(q is not None for q in dists) and draft_ids:
+            vocab = logits.shape[-1]
+            point = torch.nn.functional.one_hot(draft_tensor, vocab).float()  # greedy drafts: point masses
+            parts, off = [], 0
+            for q, n in zip(dists, num_drafts):
+                parts.append(q if q is not None else point[off : off + n])
+                off += n
+            draft_dists = torch.cat(parts)
+        probs = None if draft_dists is None else draft_dists.gather(-1, draft_tensor.unsqueeze(-1)).squeeze(-1)
+        return self.rejection_sampler(logits, draft_tensor, num_drafts, meta, draft_probs=probs, draft_dists=draft_dists)
+
+    def _logprobs(self, seqs, sampling, logits, sampled, logprobs) -> None:
+        """Log-probabilities (of the raw target distribution) of each emitted token, if asked for."""
+        wanted = [j for j, i in enumerate(sampling) if seqs[i].params.logprobs is not None]
+        if not wanted:
+            return
+        lp = torch.log_softmax(logits, dim=-1)
+        offsets = [0]
+        for i in sampling:
+            offsets.append(offsets[-1] + seqs[i].num_spec + 1)
+        for j in wanted:
+            i = sampling[j]
+            n = seqs[i].params.logprobs
+            entries = []
+            for t, token in enumerate(sampled[i]):
+                row = lp[offsets[j] + t]
+                top_val, top_id = torch.topk(row, n) if n else (row[:0], row[:0].long())
+                entries.append(TokenLogprobs(row[token].item(), list(zip(top_id.tolist(), top_val.tolist()))))
+            logprobs[i] = entries
+
+    def _propose(self, seqs: list[SeqStep], sampled: list[list[int]]) -> list[list[int]]:
+        """Feed the drafter this step's verified tokens and let it propose the next drafts."""
+        token_ids, propose = [], []
+        for s, emitted in zip(seqs, sampled):
+            real = s.token_ids[: len(s.token_ids) - s.num_spec]
+            token_ids.append(real + emitted)  # emitted = accepted drafts + bonus/recovered token
+            propose.append(bool(emitted))
+        proposing = [i for i, p in enumerate(propose) if p]
+        sampling = None
+        if proposing and self.speculator.draft_sample_method == "probabilistic":
+            sampling = SamplingMetadata.from_params(
+                [seqs[i].params for i in proposing], [seqs[i].seed for i in proposing],
+                [0] * len(proposing), device=self.device,
+            )
+        out = self.speculator.propose(
+            DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs], propose, sampling),
+            None,
         )
-        out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()
-        for j, i in enumerate(rows):
-            sampled[i] = tokens[j]
-        if out.logprobs is not None:
-            lp = out.logprobs
-            tok_lp = lp.token_logprob.tolist()
-            top_ids, top_lp = lp.topk_token_ids.tolist(), lp.topk_logprobs.tolist()
-            for j, i in enumerate(rows):
-                n = seqs[i].params.logprobs
-                if n is not None:
-                    logprobs[i] = TokenLogprobs(tok_lp[j], list(zip(top_ids[j][:n], top_lp[j][:n])))
-        return StepOutput(sampled, logprobs)
+        for s, q in zip(seqs, out.dists):
+            if q is not None:
+                self._draft_dists[s.req_id] = q
+        return out.drafts

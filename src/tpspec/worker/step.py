@@ -9,8 +9,9 @@ from tpspec.sampling_params import SamplingParams
 
 @dataclass
 class SeqStep:
-    """One sequence's share of a step: feed ``token_ids`` at positions ``start_pos…``; if ``sample``,
-    sample the token that follows them."""
+    """One sequence's share of a step: feed ``token_ids`` at positions ``start_pos…``; the last
+    ``num_spec`` of them are draft tokens to verify. If ``sample``, emit the verified tokens and
+    the one that follows them."""
 
     req_id: str
     token_ids: list[int]
@@ -19,11 +20,13 @@ class SeqStep:
     sample: bool
     params: SamplingParams
     seed: int
+    num_spec: int = 0
 
 
 @dataclass
 class StepInput:
     seqs: list[SeqStep] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # ended since the last step: drop their state
 
 
 @dataclass
@@ -34,7 +37,9 @@ class TokenLogprobs:
 
 @dataclass
 class StepOutput:
-    """Per scheduled sequence, in order: the sampled token (None for a partial prefill chunk)."""
+    """Per scheduled sequence, in order."""
 
-    sampled: list[int | None]
-    logprobs: list[TokenLogprobs | None]
+    sampled: list[list[int]]  # accepted drafts + one recovered/bonus token ([] for a partial prefill chunk)
+    logprobs: list[list[TokenLogprobs] | None]  # per emitted token, if the request asked for them
+    num_accepted: list[int] = field(default_factory=list)  # accepted drafts per sequence
+    drafts: list[list[int]] = field(default_factory=list)  # next drafts from a model-based speculator

@@ -1,0 +1,87 @@
+"""``method: draft_model``: an independent smaller model with the target's vocabulary, run
+autoregressively for k steps with its own paged KV cache (same block tables as the target)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch
+
+from tpspec.config import ModelArchConfig
+from tpspec.distributed.parallel_state import get_tp_rank, single_rank
+from tpspec.layers.attention import AttentionMetadata
+from tpspec.models.loader.safetensors import iterate_weights
+from tpspec.models.registry import get_model_class
+from tpspec.sample.sampler import SamplingMetadata
+from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+
+
+class DraftModelProposer(DraftModelSpeculator):
+    def _tp_context(self):
+        """A draft with draft_tensor_parallel_size=1 is replicated: built and run as TP 1."""
+        replicated = self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
+        return single_rank() if replicated else contextlib.nullcontext()
+
+    def _build_model(self, target_model: torch.nn.Module) -> torch.nn.Module:
+        folder = self.spec_config.model
+        arch = ModelArchConfig.from_folder(folder)
+        with self._tp_context():
+            with torch.device(self.device):
+                model = get_model_class(arch.architecture)(arch, target_model.dtype)
+            model.load_weights(iterate_weights(folder, show_progress=get_tp_rank() == 0))
+        model.eval()
+        slots = self.num_kv_slots
+        kv_heads, head_dim = model.kv_cache_shape
+        self.kv_caches = [
+            (
+                torch.zeros(slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
+                torch.zeros(slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
+            )
+            for _ in range(arch.num_hidden_layers)
+        ]
+        return model
+
+    def _forward(self, token_ids: list[list[int]], start_pos: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Feed each sequence's tokens; returns the hidden state of each sequence's last token [seqs, H]."""
+        lens = [len(t) for t in token_ids]
+        md = AttentionMetadata.build(
+            lens, [s + n for s, n in zip(start_pos, lens)], tables, self.engine_config.cache.block_size, self.device
+        )
+        ids = torch.tensor([t for ts in token_ids for t in ts], dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(start_pos, lens)]).to(self.device)
+        hidden, _ = self.model(ids, pos, self.kv_caches, md)
+        ends = torch.cumsum(torch.tensor(lens), 0) - 1
+        return hidden[ends.to(self.device)]
+
+    @torch.inference_mode()
+    def propose(self, inp: DraftInput, target_hidden: torch.Tensor | None = None) -> DraftOutput:
+        k = self.num_speculative_tokens
+        rows = [i for i, p in enumerate(inp.propose) if p]
+        drafts: list[list[int]] = [[] for _ in inp.token_ids]
+        dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
+        with self._tp_context():
+            last_hidden = self._forward(inp.token_ids, inp.start_pos, inp.block_tables)
+            if not rows:
+                return DraftOutput(drafts, dists)
+            hidden = last_hidden[torch.tensor(rows, device=self.device)]
+            pos = [inp.start_pos[i] + len(inp.token_ids[i]) for i in rows]  # position of draft 1
+            tables = [inp.block_tables[i] for i in rows]
+            step_tokens, step_dists = [], []
+            for j in range(k):
+                sampling = _at_positions(inp.sampling, [p + j for p in pos]) if inp.sampling is not None else None
+                sample = self.sample_draft(hidden, sampling)
+                step_tokens.append(sample.token_ids)
+                step_dists.append(sample.dists)
+                if j + 1 < k:
+                    hidden = self._forward([[t] for t in sample.token_ids.tolist()], [p + j for p in pos], tables)
+        tokens = torch.stack(step_tokens, dim=1).tolist()  # [rows, k]
+        for r, i in enumerate(rows):
+            drafts[i] = tokens[r]
+            if step_dists[0] is not None:
+                dists[i] = torch.stack([d[r] for d in step_dists])  # [k, vocab_size]
+        return DraftOutput(drafts, dists)
+
+
+def _at_positions(sampling: SamplingMetadata, positions: list[int]) -> SamplingMetadata:
+    return replace(sampling, positions=torch.tensor(positions, dtype=torch.int64, device=sampling.positions.device))
