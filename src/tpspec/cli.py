@@ -22,6 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size in GiB (per engine, all layers)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory-gb)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,6 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         num_kv_blocks=args.num_kv_blocks,
         seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -62,6 +64,9 @@ def _generate(args: argparse.Namespace) -> int:
         for p, o in zip(prompts, outputs):
             sys.stdout.write(f"\n### Prompt: {p}\n{o.outputs[0].text}\n[{len(o.outputs[0].token_ids)} tokens, finish_reason={o.outputs[0].finish_reason}]\n")
         sys.stdout.write(f"\n{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), TP {args.tensor_parallel_size}\n")
+        stats = llm.get_stats()
+        if "mean_acceptance_length" in stats:
+            sys.stdout.write(f"mean acceptance length {stats['mean_acceptance_length']:.2f}\n")
     return 0
 
 
