@@ -18,6 +18,9 @@ temperature, top-k, top-p, min-p exactly as the Sampler applies them) and q_j th
   3. if all k_i are accepted, emit ``argmax(processed_bonus + gumbel(seed, position, id,
      SAMPLE))``: what the plain Sampler draws at that position, so k_i = 0 is the Sampler.
 
+Verification runs position by position, batched over the requests still accepting, so rows past
+a request's first rejection are never read (their logits need not even be valid).
+
 Every random number is keyed by (request seed, the row's position, global token id, stream), so
 the decisions are the same on every rank and at every TP size. The three streams never reuse a
 number: one position is decided once (acceptance, then residual or bonus), and the draft's own
@@ -39,39 +42,6 @@ from tpspec.sample.sampler import SamplingMetadata, processed_logits, select_row
 class RejectionOutput:
     output_token_ids: list[list[int]]  # per request: accepted drafts + one recovered/bonus token
     num_accepted: list[int]  # per request: accepted drafts, 0..k_i
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where each request's rows and drafts sit in the concatenated tensors."""
-
-    num_drafts: torch.Tensor  # [num_requests] int64, k_i
-    row_start: torch.Tensor  # [num_requests] int64, first target row of request i
-    draft_start: torch.Tensor  # [num_requests] int64, first draft token of request i
-    draft_request: torch.Tensor  # [num_draft_tokens] int64, request of each draft
-    draft_offset: torch.Tensor  # [num_draft_tokens] int64, j of each draft within its request
-    draft_row: torch.Tensor  # [num_draft_tokens] int64, target row that verifies each draft
-
-    @classmethod
-    def build(cls, num_draft_tokens: Sequence[int], device: torch.device) -> "_Layout":
-        k = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=device)
-        row_start = torch.cumsum(k + 1, 0) - (k + 1)
-        draft_start = torch.cumsum(k, 0) - k
-        draft_request = torch.repeat_interleave(torch.arange(k.numel(), device=device), k)
-        draft_offset = torch.arange(draft_request.numel(), device=device) - draft_start[draft_request]
-        return cls(k, row_start, draft_start, draft_request, draft_offset, row_start[draft_request] + draft_offset)
-
-    def leading_accepted(
-        self,
-        accepted: torch.Tensor,  # [num_draft_tokens] bool
-    ) -> torch.Tensor:
-        """Per request, the number of drafts accepted before the first rejection ``[num_requests]``."""
-        n = self.num_drafts.numel()
-        k_max = int(self.num_drafts.max()) if n else 0
-        # One extra always-rejected column (and padding) so every row has a first rejection.
-        rejected = torch.ones(n, k_max + 1, dtype=torch.uint8, device=accepted.device)
-        rejected[self.draft_request, self.draft_offset] = (~accepted).to(torch.uint8)
-        return rejected.argmax(dim=-1)  # first maximum: the first rejection
 
 
 def _check_inputs(
@@ -116,7 +86,12 @@ def _check_inputs(
 
 
 class RejectionSampler:
-    """Verifies draft tokens against the target's rows; see the module docstring for the rule."""
+    """Verifies draft tokens against the target's rows; see the module docstring for the rule.
+
+    Works position by position (j = 0, 1, ...), each step batched over the requests whose drafts
+    so far were all accepted, so a row after a request's first rejection is never read: the
+    full-vocabulary work is about ``num_requests * (mean accepted + 2)`` rows, not all rows.
+    """
 
     def __call__(
         self,
@@ -130,86 +105,97 @@ class RejectionSampler:
         _check_inputs(target_logits, draft_token_ids, num_draft_tokens, metadata, draft_probs, draft_dists)
         if not num_draft_tokens:
             return RejectionOutput([], [])
-        logits = target_logits.float()
-        device = logits.device
-        num_rows, vocab = logits.shape
-        layout = _Layout.build(num_draft_tokens, device)
-        greedy = metadata.temperature == 0  # [num_rows]
-        any_greedy, any_random = not metadata.all_random, not metadata.all_greedy
-        if not metadata.all_greedy and not metadata.all_random:
-            any_greedy, any_random = bool(greedy.any()), bool((~greedy).any())
+        device = target_logits.device
+        k = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=device)  # [num_requests]
+        row_start = torch.cumsum(k + 1, 0) - (k + 1)  # [num_requests]
+        draft_start = torch.cumsum(k, 0) - k  # [num_requests]
+        num_accepted = torch.zeros_like(k)  # [num_requests]
+        final = torch.zeros_like(k)  # [num_requests], the recovered or bonus token
+        probabilistic = draft_probs is not None or draft_dists is not None
 
-        # Greedy rows: the target's argmax.
-        top = torch.zeros(num_rows, dtype=torch.int64, device=device)  # [num_rows], valid on greedy rows
-        if any_greedy:
-            if not any_random:
-                top = logits.argmax(dim=-1)  # first maximum: lowest id on ties
-            else:
-                g_rows = torch.nonzero(greedy).squeeze(-1)
-                top[g_rows] = logits.index_select(0, g_rows).argmax(dim=-1)
+        active = torch.nonzero(k > 0).squeeze(-1)  # requests with draft j still to verify
+        for j in range(max(num_draft_tokens)):
+            if active.numel() == 0:
+                break
+            rows = row_start[active] + j
+            index = draft_start[active] + j  # into the drafts
+            drafts = draft_token_ids[index]
+            accepted, recovered = self._verify_position(
+                target_logits, rows, drafts, metadata,
+                None if not probabilistic else (
+                    draft_probs[index] if draft_probs is not None else draft_dists[index, drafts]
+                ),
+                None if draft_dists is None else draft_dists.index_select(0, index),
+            )
+            num_accepted[active[accepted]] += 1
+            final[active[~accepted]] = recovered
+            active = active[accepted & (k[active] > j + 1)]
 
-        # Random rows: the processed logits and their logsumexp, in a compact [num_random, vocab].
-        slot = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # row -> index in proc
-        proc = lse = None
-        if any_random:
-            if not any_greedy:
-                r_rows = torch.arange(num_rows, device=device)
-                proc = processed_logits(logits, metadata)  # [num_rows, vocab]
-            else:
-                r_rows = torch.nonzero(~greedy).squeeze(-1)
-                proc = processed_logits(logits.index_select(0, r_rows), select_rows(metadata, r_rows))
-            slot[r_rows] = torch.arange(r_rows.numel(), device=device)
-            lse = torch.logsumexp(proc, dim=-1)  # [num_random]
+        bonus = torch.nonzero(num_accepted == k).squeeze(-1)
+        if bonus.numel():
+            final[bonus] = self._sample_rows(target_logits, row_start[bonus] + k[bonus], metadata)
 
-        # Acceptance of every draft (only those before a request's first rejection count).
-        draft_greedy = greedy[layout.draft_row]  # [num_draft_tokens]
-        accepted = draft_token_ids == top[layout.draft_row]  # right on greedy rows
-        if any_random:
-            rd = torch.nonzero(~draft_greedy).squeeze(-1)  # random drafts
-            if rd.numel():
-                rows = layout.draft_row[rd]
-                d = draft_token_ids[rd]
-                s = slot[rows]
-                p_d = (proc[s, d] - lse[s]).exp()
-                if draft_probs is not None:
-                    q_d = draft_probs[rd].float()
-                elif draft_dists is not None:
-                    q_d = draft_dists[rd, d].float()
-                else:
-                    q_d = torch.ones_like(p_d)
-                u = uniform(metadata.seeds[rows], metadata.positions[rows], d.unsqueeze(-1), ACCEPT).squeeze(-1)
-                accepted[rd] = u * q_d < p_d
-        num_accepted = layout.leading_accepted(accepted)  # [num_requests]
-
-        # The one extra token per request, from the row right after the accepted drafts.
-        final_row = layout.row_start + num_accepted  # [num_requests]
-        final = top[final_row]  # right for greedy requests
-        if any_random:
-            token_ids = torch.arange(vocab, device=device, dtype=torch.int64)
-            random_final = ~greedy[final_row]
-            is_bonus = num_accepted == layout.num_drafts
-
-            bonus = torch.nonzero(random_final & is_bonus).squeeze(-1)
-            if bonus.numel():
-                rows = final_row[bonus]
-                noise = gumbel(metadata.seeds[rows], metadata.positions[rows], token_ids, SAMPLE)
-                final[bonus] = noise.add_(proc[slot[rows]]).argmax(dim=-1)
-
-            recover = torch.nonzero(random_final & ~is_bonus).squeeze(-1)
-            if recover.numel():
-                rows = final_row[recover]
-                draft_index = layout.draft_start[recover] + num_accepted[recover]
-                residual = self._residual_logits(
-                    proc[slot[rows]], lse[slot[rows]], draft_token_ids[draft_index],
-                    None if draft_probs is None and draft_dists is None else draft_dists[draft_index],
-                )
-                noise = gumbel(metadata.seeds[rows], metadata.positions[rows], token_ids, RESIDUAL)
-                final[recover] = noise.add_(residual).argmax(dim=-1)
-
-        drafts, starts = draft_token_ids.tolist(), layout.draft_start.tolist()
+        drafts, starts = draft_token_ids.tolist(), draft_start.tolist()
         counts, extra = num_accepted.tolist(), final.tolist()
         outputs = [drafts[s:s + a] + [f] for s, a, f in zip(starts, counts, extra)]
         return RejectionOutput(output_token_ids=outputs, num_accepted=counts)
+
+    def _verify_position(
+        self,
+        target_logits: torch.Tensor,  # [num_rows, vocab_size]
+        rows: torch.Tensor,  # [m] int64, target rows verifying one draft each
+        drafts: torch.Tensor,  # [m] int64, the drafts
+        metadata: SamplingMetadata,  # all target rows
+        q_d: torch.Tensor | None,  # [m] q(draft), or None: greedy drafts (q = point mass)
+        q: torch.Tensor | None,  # [m, vocab_size] full q, or None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether each draft is accepted ``[m]`` bool, and the tokens of the rejected ones ``[rejected]``."""
+        accepted = torch.empty_like(drafts, dtype=torch.bool)
+        recovered = torch.empty_like(drafts)  # filled on rejected entries
+        greedy = metadata.temperature.index_select(0, rows) == 0  # [m]
+        g, r = torch.nonzero(greedy).squeeze(-1), torch.nonzero(~greedy).squeeze(-1)
+        if g.numel():
+            top = target_logits.index_select(0, rows[g]).float().argmax(dim=-1)  # lowest id on ties
+            accepted[g] = drafts[g] == top
+            recovered[g] = top
+        if r.numel():
+            r_rows, d = rows[r], drafts[r]
+            proc = processed_logits(target_logits.index_select(0, r_rows).float(), select_rows(metadata, r_rows))
+            lse = torch.logsumexp(proc, dim=-1)  # [n]
+            n = torch.arange(r.numel(), device=proc.device)
+            p_d = (proc[n, d] - lse).exp()
+            q_r = torch.ones_like(p_d) if q_d is None else q_d[r].float()
+            u = uniform(metadata.seeds[r_rows], metadata.positions[r_rows], d.unsqueeze(-1), ACCEPT).squeeze(-1)
+            ok = u * q_r < p_d  # probability min(1, p/q)
+            accepted[r] = ok
+            rej = torch.nonzero(~ok).squeeze(-1)
+            if rej.numel():
+                residual = self._residual_logits(
+                    proc[rej], lse[rej], d[rej], None if q is None else q.index_select(0, r[rej]),
+                )
+                token_ids = torch.arange(proc.shape[-1], device=proc.device, dtype=torch.int64)
+                rej_rows = r_rows[rej]
+                noise = gumbel(metadata.seeds[rej_rows], metadata.positions[rej_rows], token_ids, RESIDUAL)
+                recovered[r[rej]] = noise.add_(residual).argmax(dim=-1)
+        return accepted, recovered[~accepted]
+
+    @staticmethod
+    def _sample_rows(
+        target_logits: torch.Tensor,  # [num_rows, vocab_size]
+        rows: torch.Tensor,  # [m] int64
+        metadata: SamplingMetadata,  # all target rows
+    ) -> torch.Tensor:
+        """What the plain Sampler draws at these rows (argmax or SAMPLE-stream Gumbel-max), ``[m]``."""
+        logits = target_logits.index_select(0, rows).float()
+        out = logits.argmax(dim=-1)  # lowest id on ties
+        r = torch.nonzero(metadata.temperature.index_select(0, rows) > 0).squeeze(-1)
+        if r.numel():
+            r_rows = rows[r]
+            proc = processed_logits(logits.index_select(0, r), select_rows(metadata, r_rows))
+            token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
+            noise = gumbel(metadata.seeds[r_rows], metadata.positions[r_rows], token_ids, SAMPLE)
+            out[r] = noise.add_(proc).argmax(dim=-1)
+        return out
 
     @staticmethod
     def _residual_logits(
