@@ -171,14 +171,25 @@ class SpeculativeConfig:
             _check_int("speculative_config.draft_tensor_parallel_size", self.draft_tensor_parallel_size, 1, 64)
         if self.method == "ngram":
             if self.model is not None:
-                raise ValueError("speculative_config.model must not be set for method 'ngram' (it uses no model)")
+                raise ValueError(
+                    f"speculative_config.model must not be set for method 'ngram' (it uses no model), "
+                    f"got {self.model!r}"
+                )
+            if self.draft_tensor_parallel_size is not None:
+                raise ValueError(
+                    f"speculative_config.draft_tensor_parallel_size only applies to a draft model; method 'ngram' "
+                    f"has none, got {self.draft_tensor_parallel_size}"
+                )
             if self.use_local_argmax_reduction:
                 raise ValueError(
                     "speculative_config.use_local_argmax_reduction=true needs a draft model's LM head; "
                     "method 'ngram' has no model"
                 )
             if self.draft_sample_method != "greedy":
-                raise ValueError("speculative_config.draft_sample_method must be 'greedy' for method 'ngram'")
+                raise ValueError(
+                    f"speculative_config.draft_sample_method must be 'greedy' for method 'ngram', "
+                    f"got {self.draft_sample_method!r}"
+                )
             lo = 2 if self.prompt_lookup_min is None else self.prompt_lookup_min
             hi = max(lo, 4) if self.prompt_lookup_max is None else self.prompt_lookup_max
             _check_int("speculative_config.prompt_lookup_min", lo, 1, 64)
@@ -189,10 +200,16 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
             if self.model is None:
-                raise ValueError(f"speculative_config.model is required for method {self.method!r}")
+                raise ValueError(
+                    f"speculative_config.model is required for method {self.method!r} (a draft checkpoint: "
+                    f"a .gguf file or a model folder), got None"
+                )
             for key in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"speculative_config.{key} only applies to method 'ngram'")
+                    raise ValueError(
+                        f"speculative_config.{key} only applies to method 'ngram', got {getattr(self, key)!r} "
+                        f"with method {self.method!r}"
+                    )
 
     @classmethod
     def from_dict(cls, d: "dict | str") -> "SpeculativeConfig":
@@ -228,8 +245,10 @@ class EngineConfig:
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots reserved past the verified tokens, for the drafter's own writes."""
-        return self.speculative.num_speculative_tokens if self.speculative else 0
+        """KV slots reserved past the verified tokens, for the drafter's own writes (ngram
+        proposes on the driver and writes none)."""
+        spec = self.speculative
+        return spec.num_speculative_tokens if spec is not None and spec.method != "ngram" else 0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES[1:]:
@@ -260,6 +279,11 @@ class EngineConfig:
                 raise ValueError(
                     f"the draft model's vocab_size ({self.draft_arch.vocab_size}) differs from the target's "
                     f"({a.vocab_size}); a draft must share the target's vocabulary"
+                )
+            if self.draft_arch is not None and self.scheduler.max_model_len > self.draft_arch.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len ({self.scheduler.max_model_len}) exceeds the draft model's "
+                    f"max_position_embeddings ({self.draft_arch.max_position_embeddings})"
                 )
         if self.scheduler.max_model_len > a.max_position_embeddings:
             raise ValueError(

@@ -65,12 +65,21 @@ class LLM:
         engine = self.llm_engine
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while len(final) < len(ids):
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        final[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while len(final) < len(ids):
+                    for out in engine.step():
+                        if out.finished and out.request_id in wanted:
+                            final[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # Ctrl-C, a dead engine: end this call's requests and free their blocks
+            for rid in ids:
+                if rid not in final:
+                    try:
+                        engine.abort_request(rid)
+                    except Exception:  # noqa: BLE001 - e.g. a dead TP group; the first error matters
+                        pass
+            raise
         return [final[i] for i in ids]
 
     def get_stats(self) -> dict:

@@ -6,21 +6,29 @@ arguments from stdin, so they never re-import the user's main module (a script w
 
 Each step the driver broadcasts the step input over the gloo control group and every rank runs
 the model on it (SPMD). A dead worker breaks the next collective at once (gloo reports the closed
-connection) or is seen by a watchdog thread; either way the engine raises ``EngineDeadError``.
-Workers die with the driver (PR_SET_PDEATHSIG) and are joined or killed on shutdown.
+connection) or is seen by a watchdog thread; either way the engine raises ``EngineDeadError``. A
+worker that exits while the TP group forms fails the start at once. Workers die with the driver
+(PR_SET_PDEATHSIG) and are joined or killed on shutdown, which also runs at interpreter exit.
+
+The TP group and the communication counters are per process, so a process holds at most one live
+executor with tensor_parallel_size > 1 and no other executor beside it.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
+import weakref
 
 import torch
 
@@ -53,8 +61,12 @@ def _threads_per_rank(tp: int) -> int:
     return max(1, (os.cpu_count() or 1) // tp)
 
 
-def _worker_main(rank: int, config: EngineConfig, device_kind: str, init_method: str) -> None:
+def _worker_main(
+    rank: int, config: EngineConfig, device_kind: str, init_method: str, driver_pid: int, ready_fd: int
+) -> None:
     _die_with_parent()
+    if os.getppid() != driver_pid:  # the driver died before the death signal was armed
+        os._exit(1)
     logging.basicConfig(level=logging.WARNING, format=f"[tpspec worker {rank}] %(levelname)s %(message)s")
     tp = config.parallel.tensor_parallel_size
     torch.set_num_threads(_threads_per_rank(tp))
@@ -62,6 +74,8 @@ def _worker_main(rank: int, config: EngineConfig, device_kind: str, init_method:
         device = _device(device_kind, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        os.write(ready_fd, b".")  # about to join the TP group (see Executor._wait_for_workers)
+        os.close(ready_fd)
         init_distributed(rank, tp, init_method, config.parallel.backend, device, config.parallel.worker_timeout_s)
         runner = ModelRunner(config, device)
         runner.load_model()
@@ -79,6 +93,16 @@ def _worker_main(rank: int, config: EngineConfig, device_kind: str, init_method:
     destroy_distributed()
 
 
+_LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    # Before interpreter teardown, while the watchdog threads still run and torch is whole.
+    for executor in list(_LIVE):
+        executor.shutdown()
+
+
 class Executor:
     def __init__(self, config: EngineConfig, device_kind: str):
         self.config = config
@@ -86,21 +110,47 @@ class Executor:
         self.workers: list[subprocess.Popen] = []
         self.dead: str | None = None
         self._closed = False
+        live = [e for e in _LIVE if not e._closed]
+        if live and (self.tp > 1 or any(e.tp > 1 for e in live)):
+            # The TP group is process-global: a second engine would run its collectives on it.
+            raise RuntimeError(
+                f"cannot start an engine with tensor_parallel_size={self.tp} while this process runs one "
+                f"with tensor_parallel_size={live[0].tp}: an engine with tensor_parallel_size > 1 must be "
+                "the only one in its process; shut the other down first"
+            )
+        if device_kind == "cuda" and torch.cuda.device_count() < self.tp:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp} needs one CUDA device per rank; "
+                f"{torch.cuda.device_count()} visible"
+            )
+        _LIVE.add(self)
         torch.set_num_threads(_threads_per_rank(self.tp))
         comm.reset_comm_stats()  # counters are per process; start this engine's from zero
         init_method = f"tcp://127.0.0.1:{get_free_port()}"
-        for rank in range(1, self.tp):
-            p = subprocess.Popen([sys.executable, "-m", "tpspec.distributed.executor"], stdin=subprocess.PIPE)
-            p.stdin.write(pickle.dumps((rank, config, device_kind, init_method)))
-            p.stdin.close()
-            self.workers.append(p)
         try:
+            ready_r, ready_w = os.pipe()
+            try:
+                try:
+                    for rank in range(1, self.tp):
+                        p = subprocess.Popen(
+                            [sys.executable, "-m", "tpspec.distributed.executor"],
+                            stdin=subprocess.PIPE,
+                            pass_fds=(ready_w,),
+                        )
+                        self.workers.append(p)
+                        p.stdin.write(pickle.dumps((rank, config, device_kind, init_method, os.getpid(), ready_w)))
+                        p.stdin.close()
+                finally:
+                    os.close(ready_w)  # the workers hold their own copies
+                self._wait_for_workers(ready_r)
+            finally:
+                os.close(ready_r)
             device = _device(device_kind, 0)
             init_distributed(0, self.tp, init_method, config.parallel.backend, device, config.parallel.worker_timeout_s)
             self.runner = ModelRunner(config, device)
             self.runner.load_model()
             self._rpc("ready", None)
-        except Exception:
+        except BaseException:  # Ctrl-C too: never leave workers waiting in the rendezvous
             self.shutdown()
             raise
         for rank, p in enumerate(self.workers, start=1):
@@ -110,8 +160,41 @@ class Executor:
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
+    def _wait_for_workers(self, ready_fd: int) -> None:
+        """Wait until every worker is about to join the TP group (it writes a byte to ``ready_fd``);
+        one that exits first (bad device, import error, killed) fails the start at once. Rank 0
+        only joins after that: an init_process_group left waiting for a dead rank would break every
+        later one in this process."""
+        missing = len(self.workers)
+        deadline = time.monotonic() + self.config.parallel.worker_timeout_s
+        while missing:
+            if select.select([ready_fd], [], [], 0.05)[0]:
+                data = os.read(ready_fd, missing)
+                missing -= len(data)
+                if not data:  # every worker closed its end: some exited without reporting
+                    time.sleep(0.01)
+            for rank, p in enumerate(self.workers, start=1):
+                if p.poll() is not None:
+                    raise EngineDeadError(
+                        f"TP worker rank {rank} (pid {p.pid}) exited with exit code {p.returncode} "
+                        "before joining the TP group; see its log above"
+                    )
+            if missing and time.monotonic() > deadline:
+                raise EngineDeadError(
+                    f"TP workers did not start within worker_timeout_s={self.config.parallel.worker_timeout_s} s"
+                )
+
     def _watch(self, rank: int, p: subprocess.Popen) -> None:
-        code = p.wait()
+        if hasattr(os, "waitid"):
+            # Wait without reaping: a thread blocked in p.wait() holds the Popen's lock, and at
+            # interpreter exit (daemon threads frozen) it would keep shutdown's p.wait() from returning.
+            try:
+                info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            except ChildProcessError:  # already reaped by shutdown
+                code = p.returncode
+        else:
+            code = p.wait()
         if not self._closed and not self.dead:
             self.dead = f"TP worker rank {rank} (pid {p.pid}) died with exit code {code}"
             logger.error(self.dead)
@@ -124,33 +207,43 @@ class Executor:
         except RuntimeError as e:
             self.dead = self.dead or f"TP collective failed: {e}"
             raise EngineDeadError(self.dead) from e
+        except BaseException as e:  # e.g. Ctrl-C halfway through the broadcast
+            self.dead = self.dead or f"TP broadcast interrupted: {type(e).__name__}"
+            raise
 
     def execute(self, step: StepInput) -> StepOutput:
         self._rpc("execute", step)
         try:
             return self.runner.execute(step)
-        except Exception as e:
+        except BaseException as e:
             if not self.workers:
                 raise
             # The ranks are out of step now (or a peer is gone): nothing more can run.
             self.dead = self.dead or f"TP step failed: {type(e).__name__}: {e}"
-            raise EngineDeadError(self.dead) from e
+            if isinstance(e, Exception):
+                raise EngineDeadError(self.dead) from e
+            raise  # KeyboardInterrupt, SystemExit: passed on; the engine is dead all the same
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.workers and not self.dead:
+        _LIVE.discard(self)
+        graceful = bool(self.workers) and not self.dead
+        if graceful:
             try:
                 comm.broadcast_object(("shutdown", None), "rpc")
-            except RuntimeError:
-                pass
+            except Exception:
+                graceful = False
         for p in self.workers:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+            if graceful:
+                try:
+                    p.wait(timeout=5)
+                    continue
+                except subprocess.TimeoutExpired:
+                    pass
+            p.kill()  # out of step with us (or stuck): it cannot stop by itself
+            p.wait()
         destroy_distributed()
 
 

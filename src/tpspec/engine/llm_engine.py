@@ -29,7 +29,7 @@ from tpspec.sampling_params import SamplingParams
 from tpspec.spec_decode.metrics import SpecDecodeStats
 from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.tokenizer import Tokenizer
-from tpspec.worker.step import StepOutput
+from tpspec.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class LLMEngine:
             return None
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.stats["num_requests_aborted"] += 1
+        self._release_if_idle()
         return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
@@ -204,6 +205,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.stats["num_preemptions"] += sched.num_preempted
         if not sched.requests:
+            self._release_finished(sched.finished_req_ids)
             return []
         result: StepOutput = self.executor.execute(sched.step_input())
         self.stats["num_steps"] += 1
@@ -239,7 +241,20 @@ class LLMEngine:
                     req.set_drafts(self.ngram.propose(req.all_token_ids), self.config.scheduler.max_model_len)
             self.stats["num_generation_tokens"] += len(req.output_token_ids) - before
             outputs.append(self._output(tracked))
+        self._release_if_idle()
         return outputs
+
+    def _release_if_idle(self) -> None:
+        if not self.scheduler.has_unfinished():
+            # Going idle: no later step would carry the ended requests' ids to the ranks.
+            self._release_finished(self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = []
+
+    def _release_finished(self, req_ids: list[str]) -> None:
+        """Tell every rank to drop its per-request state (e.g. draft distributions) of ended
+        requests, with a step that runs no sequences. Busy steps carry these ids themselves."""
+        if req_ids and not self.executor.dead:  # a dead engine keeps nothing worth freeing
+            self.executor.execute(StepInput(finished_req_ids=list(req_ids)))
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.req

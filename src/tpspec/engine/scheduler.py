@@ -91,18 +91,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _kv_tokens(self, num_tokens: int) -> int:
+        """KV slots a request needs for ``num_tokens`` tokens plus the drafter's lookahead. Nothing
+        (target or drafter) writes at a position >= max_model_len, so a request never needs more
+        than that: one that fits max_model_len always fits an otherwise empty cache."""
+        return min(num_tokens + self.num_lookahead_tokens, self.config.max_model_len)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
         budget = self.config.max_num_batched_tokens
-        lookahead = self.num_lookahead_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # Drafts ride along with a decode (one real token), as far as the budget allows.
             spec = req.spec_token_ids[: budget - n] if req.num_tokens - req.num_computed_tokens == 1 else []
-            while not self.block_manager.allocate(req, req.num_computed_tokens + n + len(spec) + lookahead):
+            while not self.block_manager.allocate(req, self._kv_tokens(req.num_computed_tokens + n + len(spec))):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -124,7 +129,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.block_manager.allocate(req, req.num_computed_tokens + n + lookahead):
+            if not self.block_manager.allocate(req, self._kv_tokens(req.num_computed_tokens + n)):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

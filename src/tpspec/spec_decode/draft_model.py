@@ -67,19 +67,34 @@ class DraftModelProposer(DraftModelSpeculator):
             hidden = last_hidden[torch.tensor(rows, device=self.device)]
             pos = [inp.start_pos[i] + len(inp.token_ids[i]) for i in rows]  # position of draft 1
             tables = [inp.block_tables[i] for i in rows]
+            # A draft at a position >= max_model_len can never be verified. Feeding stops before
+            # it, so the drafter writes no KV there (the scheduler reserves none) and never
+            # indexes past the RoPE tables.
+            max_len = self.engine_config.scheduler.max_model_len
+            num = [max(0, min(k, max_len - p)) for p in pos]  # usable drafts per row
             step_tokens, step_dists = [], []
             for j in range(k):
                 sampling = _at_positions(inp.sampling, [p + j for p in pos]) if inp.sampling is not None else None
                 sample = self.sample_draft(hidden, sampling)
                 step_tokens.append(sample.token_ids)
                 step_dists.append(sample.dists)
-                if j + 1 < k:
-                    hidden = self._forward([[t] for t in sample.token_ids.tolist()], [p + j for p in pos], tables)
-        tokens = torch.stack(step_tokens, dim=1).tolist()  # [rows, k]
+                feed = [r for r in range(len(rows)) if num[r] > j + 1]  # rows that need draft j + 1
+                if not feed:
+                    break
+                token_ids = sample.token_ids.tolist()
+                out = self._forward(
+                    [[token_ids[r]] for r in feed], [pos[r] + j for r in feed], [tables[r] for r in feed]
+                )
+                if len(feed) == len(rows):
+                    hidden = out
+                else:  # the other rows' hidden states are stale from here on; their drafts are dropped
+                    hidden = hidden.clone()
+                    hidden[torch.tensor(feed, device=self.device)] = out
+        tokens = torch.stack(step_tokens, dim=1).tolist()  # [rows, steps run]
         for r, i in enumerate(rows):
-            drafts[i] = tokens[r]
-            if step_dists[0] is not None:
-                dists[i] = torch.stack([d[r] for d in step_dists])  # [k, vocab_size]
+            drafts[i] = tokens[r][: num[r]]
+            if step_dists[0] is not None and num[r]:
+                dists[i] = torch.stack([d[r] for d in step_dists[: num[r]]])  # [num[r], vocab_size]
         return DraftOutput(drafts, dists)
 
 

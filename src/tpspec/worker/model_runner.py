@@ -90,6 +90,8 @@ class ModelRunner:
         for req_id in step.finished_req_ids:
             self._draft_dists.pop(req_id, None)
         seqs = step.seqs
+        if not seqs:  # only ended requests to forget
+            return StepOutput([], [])
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in seqs])
         query_lens = [len(s.token_ids) for s in seqs]
@@ -141,7 +143,10 @@ class ModelRunner:
             draft_ids += drafts
             num_drafts.append(s.num_spec)
             q = self._draft_dists.pop(s.req_id, None)
-            dists.append(q if q is not None and q.shape[0] == s.num_spec else None)
+            # The driver may keep only a prefix of the drafts (max_tokens, token budget); their q
+            # is the same prefix. A preempted request's stale q is dropped here by its recompute,
+            # which verifies no drafts.
+            dists.append(q[: s.num_spec] if q is not None and q.shape[0] >= s.num_spec else None)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
         draft_dists = None
         if any(q is not None for q in dists) and draft_ids:

@@ -1,0 +1,205 @@
+"""``--speculative-config`` validation: every user error is a ValueError that names the key and
+the bad value, raised by ``SpeculativeConfig.from_dict``, by ``LLM(...)`` before any model is
+loaded (engine-level checks: draft TP size, draft vocabulary, draft context), or, for
+``use_local_argmax_reduction``, when the draft model is loaded (as vLLM's MR V2 does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from tpspec import LLM
+from tpspec.config import EngineConfig, ModelArchConfig, SchedulerConfig, SpeculativeConfig
+from tpspec.spec_decode.speculator import DraftModelSpeculator
+
+DRAFT = {"method": "draft_model", "model": "/some/draft", "num_speculative_tokens": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def _with(base: dict, **kw) -> dict:
+    d = dict(base, **kw)
+    return {k: v for k, v in d.items() if v is not _DROP}
+
+
+_DROP = object()
+
+# (id, config, the key the message must name, the bad value as it must appear)
+BAD = [
+    ("unknown-key", _with(DRAFT, num_spec_tokens=4), "num_spec_tokens", None),
+    ("unknown-key-ngram", _with(NGRAM, lookahead=2), "lookahead", None),
+    ("k-str", _with(DRAFT, num_speculative_tokens="3"), "num_speculative_tokens", "'3'"),
+    ("k-float", _with(NGRAM, num_speculative_tokens=3.0), "num_speculative_tokens", "3.0"),
+    ("k-bool", _with(NGRAM, num_speculative_tokens=True), "num_speculative_tokens", "True"),
+    ("k-zero", _with(DRAFT, num_speculative_tokens=0), "num_speculative_tokens", "0"),
+    ("k-negative", _with(NGRAM, num_speculative_tokens=-2), "num_speculative_tokens", "-2"),
+    ("k-huge", _with(DRAFT, num_speculative_tokens=65), "num_speculative_tokens", "65"),
+    ("k-missing", _with(DRAFT, num_speculative_tokens=_DROP), "num_speculative_tokens", "required"),
+    ("method-missing", _with(DRAFT, method=_DROP), "method", "required"),
+    ("flag-str", _with(DRAFT, use_local_argmax_reduction="yes"), "use_local_argmax_reduction", "'yes'"),
+    ("flag-int", _with(DRAFT, use_local_argmax_reduction=1), "use_local_argmax_reduction", "1"),
+    ("bad-method", _with(DRAFT, method="medusa"), "method", "'medusa'"),
+    ("method-case", _with(NGRAM, method="NGRAM"), "method", "'NGRAM'"),
+    ("flag-with-ngram", _with(NGRAM, use_local_argmax_reduction=True), "use_local_argmax_reduction", "true"),
+    ("model-with-ngram", _with(NGRAM, model="/some/draft"), "model", "'/some/draft'"),
+    ("draft-tp-with-ngram", _with(NGRAM, draft_tensor_parallel_size=1), "draft_tensor_parallel_size", "1"),
+    ("probabilistic-ngram", _with(NGRAM, draft_sample_method="probabilistic"), "draft_sample_method",
+     "'probabilistic'"),
+    ("draft-without-model", _with(DRAFT, model=_DROP), "model", "None"),
+    ("model-not-str", _with(DRAFT, model=3), "model", "3"),
+    ("sample-method", _with(DRAFT, draft_sample_method="top_k"), "draft_sample_method", "'top_k'"),
+    ("draft-tp-zero", _with(DRAFT, draft_tensor_parallel_size=0), "draft_tensor_parallel_size", "0"),
+    ("draft-tp-str", _with(DRAFT, draft_tensor_parallel_size="2"), "draft_tensor_parallel_size", "'2'"),
+    ("lookup-min-zero", _with(NGRAM, prompt_lookup_min=0), "prompt_lookup_min", "0"),
+    ("lookup-max-str", _with(NGRAM, prompt_lookup_max="4"), "prompt_lookup_max", "'4'"),
+    ("lookup-min-gt-max", _with(NGRAM, prompt_lookup_min=5, prompt_lookup_max=3), "prompt_lookup_min", "5"),
+    ("lookup-with-draft", _with(DRAFT, prompt_lookup_min=2), "prompt_lookup_min", "2"),
+]
+
+
+@pytest.mark.parametrize("config,key,value", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_from_dict_rejects(config, key, value):
+    with pytest.raises(ValueError) as info:
+        SpeculativeConfig.from_dict(config)
+    msg = str(info.value)
+    assert key in msg, msg
+    if value is not None:
+        assert value in msg, msg
+    # The JSON form (what --speculative-config takes) fails the same way, unless a value has no JSON form.
+    with pytest.raises(ValueError, match=re.escape(key)):
+        SpeculativeConfig.from_dict(json.dumps(config))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "3"])
+def test_from_dict_rejects_non_objects(text):
+    with pytest.raises(ValueError, match="speculative_config"):
+        SpeculativeConfig.from_dict(text)
+
+
+def test_from_dict_accepts_and_fills_defaults():
+    c = SpeculativeConfig.from_dict(json.dumps(NGRAM))
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 2, 4)
+    assert c.model is None and c.use_local_argmax_reduction is False and c.draft_sample_method == "greedy"
+    c = SpeculativeConfig.from_dict(_with(DRAFT, use_local_argmax_reduction=True, draft_tensor_parallel_size=1))
+    assert c.use_local_argmax_reduction is True and c.draft_tensor_parallel_size == 1
+    # The flag with probabilistic drafting is refused at model load (as in vLLM), not here.
+    SpeculativeConfig.from_dict(_with(DRAFT, use_local_argmax_reduction=True, draft_sample_method="probabilistic"))
+
+
+def test_llm_validates_speculative_config_before_loading(tiny_llama):
+    """LLM(...) turns a dict or a JSON string into a SpeculativeConfig with the same checks."""
+    with pytest.raises(ValueError, match=r"num_speculative_tokens.*'3'"):
+        LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": "3"})
+    with pytest.raises(ValueError, match=r"use_local_argmax_reduction.*'yes'"):
+        LLM(tiny_llama, speculative_config=json.dumps(_with(DRAFT, model=tiny_llama, use_local_argmax_reduction="yes")))
+    with pytest.raises(ValueError, match=r"unknown keys \['speculative_model'\]"):
+        LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"})
+
+
+@pytest.mark.parametrize("tp,draft_tp", [(1, 2), (2, 3), (2, 4)])
+def test_draft_tensor_parallel_size_must_be_1_or_the_targets(tiny_llama, tp, draft_tp):
+    # Raised by EngineConfig, before any worker is spawned.
+    spec = _with(DRAFT, model=tiny_llama, draft_tensor_parallel_size=draft_tp)
+    msg = rf"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size \({tp}\), got {draft_tp}"
+    with pytest.raises(ValueError, match=msg):
+        LLM(tiny_llama, tensor_parallel_size=tp, speculative_config=spec)
+
+
+def _copy_with_config(src: str, dst: str, **changes) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    # 1024 is the target's *padded* vocabulary (1000 -> 1024): the check compares real vocabularies.
+    for vocab in (1024, 999):
+        draft = _copy_with_config(tiny_llama, str(tmp_path / f"draft-{vocab}"), vocab_size=vocab)
+        with pytest.raises(ValueError, match=rf"vocab_size \({vocab}\) differs from the target's \(1000\)"):
+            LLM(tiny_llama, speculative_config=_with(DRAFT, model=draft))
+
+
+def test_draft_with_a_shorter_context_is_refused(tiny_llama, tmp_path):
+    draft = _copy_with_config(tiny_llama, str(tmp_path / "draft-short"), max_position_embeddings=128)
+    msg = r"max_model_len \(512\) exceeds the draft model's max_position_embeddings \(128\)"
+    with pytest.raises(ValueError, match=msg):
+        LLM(tiny_llama, speculative_config=_with(DRAFT, model=draft))
+    with LLM(tiny_llama, max_model_len=128, num_kv_blocks=16, speculative_config=_with(DRAFT, model=draft)) as llm:
+        assert llm.llm_engine.config.speculative.model == draft  # within the draft's context: accepted
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_flag_with_probabilistic_drafting_fails_at_model_load(tiny_llama, tp):
+    spec = _with(DRAFT, model=tiny_llama, use_local_argmax_reduction=True, draft_sample_method="probabilistic")
+    with pytest.raises(ValueError, match=r"use_local_argmax_reduction=true only applies to greedy.*'probabilistic'"):
+        LLM(tiny_llama, tensor_parallel_size=tp, num_kv_blocks=16, max_model_len=64, speculative_config=spec)
+
+
+# ---- DraftModelSpeculator._validate_local_argmax_reduction on stub models ------------------------
+
+
+class _NoTopTokens(torch.nn.Module):
+    def compute_logits(self, hidden, site="draft.sample"):
+        raise AssertionError("not called")
+
+
+class _TopTokensNotCallable(_NoTopTokens):
+    get_top_tokens = None
+
+
+class _WithTopTokens(_NoTopTokens):
+    def get_top_tokens(self, hidden, site="draft.sample"):
+        raise AssertionError("not called")
+
+
+def _speculator(tiny_llama, model, **spec) -> DraftModelSpeculator:
+    config = SpeculativeConfig.from_dict(_with(DRAFT, model=tiny_llama, **spec))
+    arch = ModelArchConfig.from_folder(tiny_llama)
+    engine = EngineConfig(
+        model=tiny_llama, arch=arch, scheduler=SchedulerConfig(max_model_len=512), speculative=config, draft_arch=arch
+    )
+    s = DraftModelSpeculator(config, engine, torch.device("cpu"))
+    s.model = model
+    return s
+
+
+@pytest.mark.parametrize("model_cls", [_NoTopTokens, _TopTokensNotCallable])
+def test_flag_needs_a_draft_model_with_get_top_tokens(tiny_llama, model_cls):
+    s = _speculator(tiny_llama, model_cls(), use_local_argmax_reduction=True)
+    msg = rf"use_local_argmax_reduction=true needs a draft model with get_top_tokens\(\); {model_cls.__name__} has none"
+    with pytest.raises(ValueError, match=msg):
+        s._validate_local_argmax_reduction()
+    # Without the flag the same model is fine (drafting all-gathers full logits instead).
+    _speculator(tiny_llama, model_cls())._validate_local_argmax_reduction()
+
+
+def test_flag_accepts_a_draft_model_with_get_top_tokens(tiny_llama):
+    _speculator(tiny_llama, _WithTopTokens(), use_local_argmax_reduction=True)._validate_local_argmax_reduction()
+    s = _speculator(tiny_llama, _WithTopTokens(), use_local_argmax_reduction=True, draft_sample_method="probabilistic")
+    with pytest.raises(ValueError, match=r"use_local_argmax_reduction.*'probabilistic'"):
+        s._validate_local_argmax_reduction()
+
+
+def test_kv_lookahead_only_for_a_draft_model(tiny_llama):
+    """A draft model writes KV for the bonus token and k - 1 drafts past the verified tokens; ngram
+    proposes on the driver and needs no reserved slots."""
+    arch = ModelArchConfig.from_folder(tiny_llama)
+
+    def engine(spec):
+        return EngineConfig(
+            model=tiny_llama, arch=arch, scheduler=SchedulerConfig(max_model_len=512),
+            speculative=SpeculativeConfig.from_dict(spec), draft_arch=arch if "model" in spec else None,
+        )
+
+    assert engine(_with(DRAFT, model=tiny_llama, num_speculative_tokens=5)).num_lookahead_tokens == 5
+    assert engine(_with(NGRAM, num_speculative_tokens=5)).num_lookahead_tokens == 0
+    plain = EngineConfig(model=tiny_llama, arch=arch, scheduler=SchedulerConfig(max_model_len=512))
+    assert plain.num_lookahead_tokens == 0
