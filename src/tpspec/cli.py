@@ -1,4 +1,4 @@
-"""Command line: ``tpspec generate`` (and, later, ``serve`` / ``bench``)."""
+"""Command line: ``tpspec generate``, ``tpspec serve`` (and, later, ``bench``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 import time
+
+from tpspec.server.args import add_serve_args
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -70,6 +72,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tpspec.server.api import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpspec", description="Tensor-parallel LLM inference with speculative decoding")
     parser.add_argument("--log-level", default="INFO")
@@ -86,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (vLLM's flag names)")
+    add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(func=_serve)
     return parser
 
 
