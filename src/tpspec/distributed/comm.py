@@ -39,7 +39,10 @@ def all_reduce(x: torch.Tensor, site: str) -> torch.Tensor:
     st = get_state()
     if st.world_size == 1:
         return x
-    dist.all_reduce(x, group=st.group)
+    if st.shm is not None and st.shm.fits(x):
+        st.shm.all_reduce_(x)
+    else:
+        dist.all_reduce(x, group=st.group)
     _count(site, x.numel() * x.element_size())
     return x
 
@@ -50,8 +53,11 @@ def all_gather(x: torch.Tensor, site: str, dim: int = -1) -> torch.Tensor:
     if st.world_size == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((st.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x, group=st.group)
+    if st.shm is not None and st.shm.fits(x):
+        out = st.shm.all_gather(x)
+    else:
+        out = torch.empty((st.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, x, group=st.group)
     _count(site, out.numel() * out.element_size())
     if dim % x.dim() == 0:
         return out

@@ -34,7 +34,7 @@ import torch
 
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
-from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, init_distributed
+from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, get_state, init_distributed
 from tpspec.worker.model_runner import ModelRunner
 from tpspec.worker.step import StepInput, StepOutput
 
@@ -110,6 +110,12 @@ class Executor:
         self.workers: list[subprocess.Popen] = []
         self.dead: str | None = None
         self._closed = False
+        self._step_lock = threading.Lock()  # held while the ranks run a step (shutdown may come from another thread)
+        if device_kind == "cuda" and torch.cuda.device_count() < self.tp:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp} needs one CUDA device per rank; "
+                f"{torch.cuda.device_count()} visible"
+            )
         live = [e for e in _LIVE if not e._closed]
         if live and (self.tp > 1 or any(e.tp > 1 for e in live)):
             # The TP group is process-global: a second engine would run its collectives on it.
@@ -117,11 +123,6 @@ class Executor:
                 f"cannot start an engine with tensor_parallel_size={self.tp} while this process runs one "
                 f"with tensor_parallel_size={live[0].tp}: an engine with tensor_parallel_size > 1 must be "
                 "the only one in its process; shut the other down first"
-            )
-        if device_kind == "cuda" and torch.cuda.device_count() < self.tp:
-            raise ValueError(
-                f"tensor_parallel_size={self.tp} needs one CUDA device per rank; "
-                f"{torch.cuda.device_count()} visible"
             )
         _LIVE.add(self)
         torch.set_num_threads(_threads_per_rank(self.tp))
@@ -198,6 +199,9 @@ class Executor:
         if not self._closed and not self.dead:
             self.dead = f"TP worker rank {rank} (pid {p.pid}) died with exit code {code}"
             logger.error(self.dead)
+            shm = get_state().shm
+            if shm is not None:  # a shared-memory collective waiting for it gives up now
+                shm.abort_reason = self.dead
 
     def _rpc(self, kind: str, arg) -> None:
         if self.dead:
@@ -212,6 +216,10 @@ class Executor:
             raise
 
     def execute(self, step: StepInput) -> StepOutput:
+        with self._step_lock:
+            return self._execute(step)
+
+    def _execute(self, step: StepInput) -> StepOutput:
         self._rpc("execute", step)
         try:
             return self.runner.execute(step)
@@ -230,11 +238,17 @@ class Executor:
         self._closed = True
         _LIVE.discard(self)
         graceful = bool(self.workers) and not self.dead
-        if graceful:
+        # A step still running in another thread (e.g. at interpreter exit) would interleave with
+        # the shutdown message: then the workers are killed instead.
+        if graceful and self._step_lock.acquire(timeout=1):
             try:
                 comm.broadcast_object(("shutdown", None), "rpc")
             except Exception:
                 graceful = False
+            finally:
+                self._step_lock.release()
+        else:
+            graceful = False
         for p in self.workers:
             if graceful:
                 try:

@@ -12,6 +12,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpspec.distributed.shm_comm import ShmCommunicator, shm_available
+
+SHM_MAX_BYTES = 8 << 20  # per rank and slot; larger collectives go through gloo
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,6 +27,7 @@ class ParallelState:
     backend: str
     group: object | None  # tensor collectives
     cpu_group: object | None  # pickled control messages (always gloo)
+    shm: ShmCommunicator | None = None  # CPU ranks: shared-memory all-reduce / all-gather
 
 
 _STATE = ParallelState(0, 1, torch.device("cpu"), "none", None, None)
@@ -48,13 +53,27 @@ def init_distributed(
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    _STATE = ParallelState(rank, world_size, device, backend, dist.group.WORLD, cpu_group)
+    shm = _init_shm(rank, world_size, timeout_s) if device.type == "cpu" and shm_available() else None
+    _STATE = ParallelState(rank, world_size, device, backend, dist.group.WORLD, cpu_group, shm)
     logger.debug("rank %d/%d joined (%s)", rank, world_size, backend)
     return _STATE
 
 
+def _init_shm(rank: int, world_size: int, timeout_s: float) -> ShmCommunicator:
+    """Rank 0 creates the segment, the others map it, then it is unlinked at once."""
+    name = [ShmCommunicator.new_name() if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    shm = ShmCommunicator(rank, world_size, name[0], rank == 0, SHM_MAX_BYTES, timeout_s)
+    dist.barrier()
+    if rank == 0:
+        shm.unlink()
+    return shm
+
+
 def destroy_distributed() -> None:
     global _STATE
+    if _STATE.shm is not None:
+        _STATE.shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = ParallelState(0, 1, _STATE.device, "none", None, None)
