@@ -61,9 +61,13 @@ def init_distributed(
 
 def _init_shm(rank: int, world_size: int, timeout_s: float) -> ShmCommunicator:
     """Rank 0 creates the segment, the others map it, then it is unlinked at once."""
-    name = [ShmCommunicator.new_name() if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    shm = ShmCommunicator(rank, world_size, name[0], rank == 0, SHM_MAX_BYTES, timeout_s)
+    if rank == 0:
+        name = ShmCommunicator.new_name()
+        shm = ShmCommunicator(0, world_size, name, True, SHM_MAX_BYTES, timeout_s)
+    box = [name if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # only once the segment exists
+    if rank != 0:
+        shm = ShmCommunicator(rank, world_size, box[0], False, SHM_MAX_BYTES, timeout_s)
     dist.barrier()
     if rank == 0:
         shm.unlink()
