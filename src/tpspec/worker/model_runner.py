@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -123,7 +124,8 @@ class ModelRunner:
                 device=self.device,
             )
             if self.rejection_sampler is None:
-                tokens = self.sampler(logits, meta).sampled_token_ids.tolist()
+                # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.
+                tokens = self.sampler(logits, replace(meta, max_num_logprobs=None)).sampled_token_ids.tolist()
                 for j, i in enumerate(sampling):
                     sampled[i] = [tokens[j]]
             else:
