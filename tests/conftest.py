@@ -86,3 +86,31 @@ def tiny_llama_tied(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return _write_tiny(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3")
+
+
+TINY_DFLASH = dict(num_layers=2, target_layer_ids=(0, 2), block_size=6, mask_token_id=999)
+
+
+def write_tiny_dflash(folder: str, target_folder: str, seed: int = 0, scale: float = 3.0) -> str:
+    """A random DFlash checkpoint (public layout, float32) for the tiny Llama target; ``scale``
+    multiplies the default init so the drafter's outputs are not all near-ties."""
+    import torch
+
+    from tpspec.config import ModelArchConfig
+    from tpspec.train.dflash_module import DFlashTrainModel
+    from tpspec.train.trainer import new_dflash_config
+
+    torch.manual_seed(seed)
+    cfg = new_dflash_config(ModelArchConfig.from_folder(target_folder), **TINY_DFLASH)
+    model = DFlashTrainModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    model.save_pretrained(folder, dtype=torch.float32)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash(tiny_llama, tmp_path_factory) -> str:
+    return write_tiny_dflash(str(tmp_path_factory.mktemp("tiny-dflash")), tiny_llama)

@@ -1,13 +1,15 @@
-"""Command line: ``tpspec generate``, ``tpspec serve`` (and, later, ``bench``)."""
+"""Command line: ``tpspec generate``, ``tpspec serve``, ``tpspec bench serve|compare``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 
-from tpspec.server.args import add_serve_args
+from tpspec.server.args import API_KEY_ENV, add_serve_args
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -25,6 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory-gb)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--sampling-mode", default="gathered", choices=["gathered", "vocab-parallel"], help="vocab-parallel: every rank samples and verifies from its own vocab shard, O(tp) bytes per row instead of O(vocab); same tokens")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,6 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         seed=args.seed,
         speculative_config=args.speculative_config,
+        sampling_mode=args.sampling_mode,
     )
 
 
@@ -78,6 +82,152 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What ``bench serve`` and ``bench compare`` send (vLLM's ``bench serve`` flag names)."""
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--dataset", default="humaneval", choices=["humaneval", "random"],
+                   help="humaneval: the HumanEval prompts (text); random: seeded random token ids (completions only)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (seeded); inf = all at once")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="max output tokens per request")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request generates --max-tokens")
+    p.add_argument("--random-input-len", type=int, default=128, help="prompt length of the random dataset")
+    p.add_argument("--random-vocab-size", type=int, default=None,
+                   help="the served tokenizer's vocabulary size (required by the random dataset)")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def workload_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dataset=args.dataset, num_prompts=args.num_prompts, endpoint=args.endpoint, request_rate=args.request_rate,
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+        num_warmups=args.num_warmups, random_input_len=args.random_input_len, random_vocab_size=args.random_vocab_size,
+    )
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from tpspec.bench.report import format_serve_table, write_json
+    from tpspec.bench.serve import Target, Workload, benchmark
+
+    target = Target(args.base_url, model=args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    workload = Workload(max_concurrency=args.max_concurrency, **workload_kwargs(args))
+    try:
+        result = benchmark(target, workload, show_progress=not args.disable_tqdm)
+    except RuntimeError as e:
+        logging.getLogger("tpspec").error("%s", e)
+        return 1
+    sys.stdout.write(format_serve_table(result) + "\n")
+    if args.result_file:
+        write_json(args.result_file, result)
+        logging.getLogger("tpspec").info("wrote %s", args.result_file)
+    return 0
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    from tpspec.bench.compare import BASELINE, DEFAULT_SPECULATIVE_CONFIG, CompareConfig, ServerOptions, run_compare
+    from tpspec.bench.report import format_compare_table
+    from tpspec.bench.serve import Workload
+
+    try:
+        spec = DEFAULT_SPECULATIVE_CONFIG if args.speculative_config is None else json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config must be JSON, got {args.speculative_config!r}: {e}") from None
+    server = ServerOptions(
+        model=args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        num_kv_blocks=args.num_kv_blocks, seed=args.seed,
+    )
+    cfg = CompareConfig(
+        server=server, workload=Workload(**workload_kwargs(args)), concurrencies=tuple(args.max_concurrency),
+        speculative_config=spec, result_file=args.result_file, plot_file=args.plot_file,
+        server_timeout_s=args.server_timeout, show_progress=not args.disable_tqdm,
+    )
+    try:
+        out = run_compare(cfg)
+    except RuntimeError as e:  # a server that died or never became healthy, a failed warm-up
+        logging.getLogger("tpspec").error("%s", e)
+        return 1
+    sys.stdout.write(format_compare_table(out["runs"], BASELINE) + "\n")
+    return 0
+
+
+def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    s = sub.add_parser("serve", help="load-test an OpenAI-compatible server (tpspec, vLLM, llama.cpp)")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (without /v1)")
+    s.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
+    s.add_argument("--api-key", default=None, help=f"sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    s.add_argument("--seed", type=int, default=0, help="arrivals, random prompts, per-request sampling seeds")
+    s.add_argument("--num-warmups", type=int, default=0, help="requests sent before the measured run")
+    s.add_argument("--result-file", default=None, help="write the result as JSON here")
+    add_workload_args(s)
+    s.set_defaults(func=_bench_serve)
+
+    c = sub.add_parser("compare", help="use_local_argmax_reduction off vs on: start tpspec serve per config, load it, compare")
+    c.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: the embedded model)")
+    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    c.add_argument("--max-num-seqs", type=int, default=64)
+    c.add_argument("--max-model-len", type=int, default=None)
+    c.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB (server default if unset)")
+    c.add_argument("--num-kv-blocks", type=int, default=None)
+    c.add_argument("--seed", type=int, default=0, help="the servers' seed and the workload's")
+    c.add_argument("--speculative-config", default=None,
+                   help="the baseline's JSON (default: bench.compare.DEFAULT_SPECULATIVE_CONFIG, DFlash with 15 "
+                        "tokens); the other config adds use_local_argmax_reduction=true")
+    c.add_argument("--max-concurrency", type=int, nargs="+", default=[32], help="one or more concurrency levels")
+    c.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per server start")
+    c.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for a server to be healthy")
+    c.add_argument("--result-file", default="bench_compare.json")
+    c.add_argument("--plot-file", default=None, help="PNG chart (default: the result file with .png)")
+    add_workload_args(c)
+    c.set_defaults(func=_bench_compare)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from tpspec.train.train_draft import DraftRecipe, train_draft
+    from tpspec.train.trainer import TrainConfig
+
+    recipe = DraftRecipe(
+        num_layers=args.num_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
+        target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
+        init_from_target=not args.random_init, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+        text_tokens=args.text_tokens,
+    )
+    cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
+                      lr=args.lr, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, seed=args.seed)
+    last = train_draft(args.work_dir, args.output, args.model, recipe, cfg)
+    sys.stdout.write(json.dumps(last, indent=2) + "\n")
+    return 0
+
+
+def add_train_draft_parser(sub) -> None:
+    t = sub.add_parser("train-draft", help="train a DFlash drafter for a target by self-distillation (resumable)")
+    t.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
+    t.add_argument("--work-dir", required=True, help="data, checkpoints and the learning curve; rerun to resume")
+    t.add_argument("--output", required=True, help="folder for the drafter in the public DFlash format")
+    t.add_argument("--num-layers", type=int, default=2)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: 5 layers spread over the target")
+    t.add_argument("--mask-token-id", type=int, default=None, help="default: the last id of the target's vocabulary")
+    t.add_argument("--random-init", action="store_true", help="do not start the draft layers from the target's last layers")
+    t.add_argument("--num-prompts", type=int, default=512, help="standard-library prompts whose continuations are generated")
+    t.add_argument("--max-tokens", type=int, default=128, help="continuation length per prompt")
+    t.add_argument("--text-tokens", type=int, default=300_000, help="standard-library source tokens used as real text")
+    t.add_argument("--steps", type=int, default=4000)
+    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--anchors-per-seq", type=int, default=16)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=250)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_train_draft)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpspec", description="Tensor-parallel LLM inference with speculative decoding")
     parser.add_argument("--log-level", default="INFO")
@@ -98,12 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     add_serve_args(s)
     s.set_defaults(func=_serve)
+    add_bench_parsers(sub.add_parser("bench", help="benchmark a server (serve) or the flag end to end (compare)"))
+    add_train_draft_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the benchmark client's per-request lines
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SAMPLING_MODES = ("gathered", "vocab-parallel")
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
@@ -136,7 +137,9 @@ class SchedulerConfig:
             )
 
 
-SPEC_METHODS = ("draft_model", "ngram")
+SPEC_METHODS = ("draft_model", "ngram", "dflash", "eagle3", "eagle")
+# Methods whose model may be omitted: dflash falls back to the drafter shipped for the default model.
+SHIPPED_DRAFTER_METHODS = ("dflash",)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -199,7 +202,7 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
-            if self.model is None:
+            if self.model is None and self.method not in SHIPPED_DRAFTER_METHODS:
                 raise ValueError(
                     f"speculative_config.model is required for method {self.method!r} (a draft checkpoint: "
                     f"a .gguf file or a model folder), got None"
@@ -242,17 +245,30 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     draft_arch: ModelArchConfig | None = None  # the draft checkpoint's shape (model-based methods)
+    # "gathered": sampling and verification all-gather the target's full logits; "vocab-parallel":
+    # every rank samples from its own vocab shard (sample.vocab_parallel), same tokens.
+    sampling_mode: str = "gathered"
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots reserved past the verified tokens, for the drafter's own writes (ngram
-        proposes on the driver and writes none)."""
+        """KV slots reserved past the verified tokens, for the drafter's own writes: a chain
+        drafter writes k (the bonus token and k − 1 drafts), DFlash its whole block of k + 1
+        (the bonus token and k masks); ngram proposes on the driver and writes none."""
         spec = self.speculative
-        return spec.num_speculative_tokens if spec is not None and spec.method != "ngram" else 0
+        if spec is None or spec.method == "ngram":
+            return 0
+        return spec.num_speculative_tokens + (spec.method == "dflash")
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.sampling_mode not in SAMPLING_MODES:
+            raise ValueError(f"sampling_mode must be one of {SAMPLING_MODES}, got {self.sampling_mode!r}")
+        if self.sampling_mode == "vocab-parallel" and self.arch.vocab_size >= 2**24:
+            raise ValueError(
+                f"sampling_mode='vocab-parallel' needs vocab_size < 2**24 (token ids are exchanged as "
+                f"float32), got vocab_size={self.arch.vocab_size}; use sampling_mode='gathered'"
+            )
         tp = self.parallel.tensor_parallel_size
         a = self.arch
         # Heads are split as evenly as possible (see layers.linear.QKVParallelLinear), so a TP size

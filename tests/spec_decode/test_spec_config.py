@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tpspec import LLM
+from tpspec import LLM, SamplingParams
 from tpspec.config import EngineConfig, ModelArchConfig, SchedulerConfig, SpeculativeConfig
 from tpspec.spec_decode.speculator import DraftModelSpeculator
 
@@ -86,7 +86,8 @@ def test_from_dict_accepts_and_fills_defaults():
     assert c.model is None and c.use_local_argmax_reduction is False and c.draft_sample_method == "greedy"
     c = SpeculativeConfig.from_dict(_with(DRAFT, use_local_argmax_reduction=True, draft_tensor_parallel_size=1))
     assert c.use_local_argmax_reduction is True and c.draft_tensor_parallel_size == 1
-    # The flag with probabilistic drafting is refused at model load (as in vLLM), not here.
+    # The flag with probabilistic drafting is checked at model load (it needs a draft model with
+    # compute_logits_shard), not here.
     SpeculativeConfig.from_dict(_with(DRAFT, use_local_argmax_reduction=True, draft_sample_method="probabilistic"))
 
 
@@ -136,11 +137,13 @@ def test_draft_with_a_shorter_context_is_refused(tiny_llama, tmp_path):
         assert llm.llm_engine.config.speculative.model == draft  # within the draft's context: accepted
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_flag_with_probabilistic_drafting_fails_at_model_load(tiny_llama, tp):
+def test_flag_with_probabilistic_drafting_loads_a_model_with_sharded_logits(tiny_llama):
+    """Llama drafts provide compute_logits_shard: probabilistic drafting with the flag is vocab-parallel
+    (tests/distributed/test_sharding_invariance.py runs it at TP 1, 2 and 4)."""
     spec = _with(DRAFT, model=tiny_llama, use_local_argmax_reduction=True, draft_sample_method="probabilistic")
-    with pytest.raises(ValueError, match=r"use_local_argmax_reduction=true only applies to greedy.*'probabilistic'"):
-        LLM(tiny_llama, tensor_parallel_size=tp, num_kv_blocks=16, max_model_len=64, speculative_config=spec)
+    with LLM(tiny_llama, num_kv_blocks=16, max_model_len=64, speculative_config=spec) as llm:
+        params = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+        assert len(llm.generate("def add(a, b):", params, use_tqdm=False)[0].outputs[0].token_ids) == 6
 
 
 # ---- DraftModelSpeculator._validate_local_argmax_reduction on stub models ------------------------
@@ -181,11 +184,21 @@ def test_flag_needs_a_draft_model_with_get_top_tokens(tiny_llama, model_cls):
     _speculator(tiny_llama, model_cls())._validate_local_argmax_reduction()
 
 
+class _WithShardedLogits(_WithTopTokens):
+    def compute_logits_shard(self, hidden):
+        raise AssertionError("not called")
+
+
 def test_flag_accepts_a_draft_model_with_get_top_tokens(tiny_llama):
     _speculator(tiny_llama, _WithTopTokens(), use_local_argmax_reduction=True)._validate_local_argmax_reduction()
+    # Probabilistic drafting with the flag needs the sharded hook; without it the old error stays.
     s = _speculator(tiny_llama, _WithTopTokens(), use_local_argmax_reduction=True, draft_sample_method="probabilistic")
-    with pytest.raises(ValueError, match=r"use_local_argmax_reduction.*'probabilistic'"):
+    msg = r"use_local_argmax_reduction=true only applies to greedy.*'probabilistic'.*compute_logits_shard"
+    with pytest.raises(ValueError, match=msg):
         s._validate_local_argmax_reduction()
+    _speculator(
+        tiny_llama, _WithShardedLogits(), use_local_argmax_reduction=True, draft_sample_method="probabilistic"
+    )._validate_local_argmax_reduction()
 
 
 def test_kv_lookahead_only_for_a_draft_model(tiny_llama):

@@ -40,6 +40,7 @@ MAX_TOKENS = 24
 REF_TOKENS = 64
 K = 4
 ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=128)
+SMALL = dict(num_kv_blocks=16, block_size=4, max_model_len=64)  # 64 tokens: exactly max_model_len
 PADDED_VOCAB = 1024  # the tiny models' vocab 1000, padded to a multiple of 64
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -74,11 +75,30 @@ def models(tiny_llama, tiny_qwen3, tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("spec-models")
     return {
+        "dflash": _trained_dflash(tiny_llama, str(root / "dflash-work"), str(root / "dflash")),
         "llama": tiny_llama,
         "qwen3": tiny_qwen3,
         "perturbed": _derived_checkpoint(tiny_llama, str(root / "perturbed"), perturb),
         "loopy": _derived_checkpoint(tiny_llama, str(root / "loopy"), near_bigram),
     }
+
+
+def _trained_dflash(target: str, work: str, out: str) -> str:
+    """A 1-layer DFlash drafter trained (by tpspec's own trainer) on the target's greedy
+    continuations of PROMPTS, just long enough to accept drafts often but not always."""
+    from tpspec.train.train_draft import DraftRecipe, train_draft
+    from tpspec.train.trainer import TrainConfig
+
+    recipe = DraftRecipe(num_layers=1, target_layer_ids=(0, 2), block_size=6, max_tokens=REF_TOKENS,
+                         generation_dtype="float32", max_num_seqs=8)
+    train = TrainConfig(steps=60, seqs_per_step=4, anchors_per_seq=16, lr=3e-3, warmup_steps=10,
+                        checkpoint_every=60, eval_every=60)
+    train_draft(work, out, target, recipe, train, prompts=PROMPTS, held_out_prompts=PROMPTS[:1])
+    return out
+
+
+def _dflash(flag: bool, **kw) -> dict:
+    return dict(method="dflash", model="dflash", num_speculative_tokens=K, use_local_argmax_reduction=flag, **kw)
 
 
 def _draft(model: str, flag: bool, **kw) -> dict:
@@ -101,6 +121,11 @@ CASES = {
     "perturbed-flag-tp2": ("llama", 2, _draft("perturbed", True)),
     "perturbed-noflag-tp2": ("llama", 2, _draft("perturbed", False)),
     "perturbed-drafttp1-flag-tp2": ("llama", 2, _draft("perturbed", True, draft_tensor_parallel_size=1)),
+    "dflash-flag-tp1": ("llama", 1, _dflash(True)),
+    "dflash-noflag-tp1": ("llama", 1, _dflash(False)),
+    "dflash-flag-tp2": ("llama", 2, _dflash(True)),
+    "dflash-noflag-tp2": ("llama", 2, _dflash(False)),
+    "dflash-drafttp1-flag-tp2": ("llama", 2, _dflash(True, draft_tensor_parallel_size=1)),
 }
 
 
@@ -206,7 +231,7 @@ def test_greedy_output_equals_plain_output(case, models):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
-EXPECTED_ACCEPTANCE = {"self": "all", "perturbed": "partial", "ngram": "partial", "qwen3": "some-rejected"}
+EXPECTED_ACCEPTANCE = {"self": "all", "perturbed": "partial", "ngram": "partial", "qwen3": "some-rejected", "dflash": "partial"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -258,7 +283,7 @@ def test_acceptance_and_spec_metrics(case, models):
 # ---- communication: the flag never gathers full draft logits -------------------------------------
 
 
-@pytest.mark.parametrize("draft", ["self", "perturbed"])
+@pytest.mark.parametrize("draft", ["self", "perturbed", "dflash"])
 def test_draft_sample_bytes_per_row_tp2(draft, models):
     """Greedy drafting is identical with the flag on and off, so both runs draft the same rows:
     on, each row moves 8·tp bytes ((value, id) float32 from each rank); off, 4·padded_vocab."""
@@ -276,6 +301,44 @@ def test_draft_sample_bytes_per_row_tp2(draft, models):
 def test_replicated_draft_and_ngram_do_not_communicate_for_drafting(models):
     assert "draft.sample" not in _run("perturbed-drafttp1-flag-tp2", models)["after"]["comm"]
     assert "draft.sample" not in _run("ngram-tp2", models)["after"]["comm"]
+
+
+def test_dflash_drafts_are_identical_at_tp1_and_tp2(models, monkeypatch):
+    """The driver runs rank 0's speculator in-process: record every draft it proposes."""
+    from tpspec.spec_decode.dflash import DFlashSpeculator
+
+    recorded: list = []
+    propose = DFlashSpeculator.propose
+
+    def recording(self, inp):
+        out = propose(self, inp)
+        recorded.append(out.drafts)
+        return out
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", recording)
+    drafts = {}
+    for tp in (1, 2):
+        recorded.clear()
+        with LLM(models["llama"], tensor_parallel_size=tp, speculative_config=_resolve(_dflash(True), models), **ENGINE) as llm:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        drafts[tp] = list(recorded)
+    assert sum(len(d) for step in drafts[1] for d in step) > 50
+    assert drafts[1] == drafts[2]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dflash_lossless_under_preemption(tp, models):
+    """Recomputed requests rebuild the drafter's context from the target's features again."""
+    ref = _plain(models, "llama", tp)["ref"]
+    to_the_end = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    with LLM(models["llama"], tensor_parallel_size=tp, speculative_config=_resolve(_dflash(True), models), **SMALL) as llm:
+        outs = llm.generate(PROMPTS[:4], to_the_end, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    for o, r in zip(outs, ref):
+        ids = o.outputs[0].token_ids
+        assert len(ids) == SMALL["max_model_len"] - len(o.prompt_token_ids) and ids == r[: len(ids)]
 
 
 class _FullLogitsCalled(Exception):
@@ -357,7 +420,6 @@ def test_probabilistic_self_draft_accepts_sampled_drafts(models):
 
 # ---- nothing leaks ------------------------------------------------------------------------------
 
-SMALL = dict(num_kv_blocks=16, block_size=4, max_model_len=64)  # 64 tokens: exactly max_model_len
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -2,7 +2,8 @@
 
 Bytes are those of the collective's result on one rank (for an all-gather, the gathered tensor),
 so "8·tp bytes per draft row" is read straight off the counters. At TP 1 nothing crosses a wire
-and nothing is counted.
+and nothing is counted. Sampling sites also count the rows they sample (``count_rows``, at any
+TP size), so bytes per sampled row are bytes / rows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tpspec.distributed.parallel_state import get_state
 
 _CALLS: dict[str, int] = defaultdict(int)
 _BYTES: dict[str, int] = defaultdict(int)
+_ROWS: dict[str, int] = defaultdict(int)
 
 
 def _count(site: str, nbytes: int) -> None:
@@ -29,9 +31,20 @@ def get_comm_stats() -> dict[str, dict[str, int]]:
     return {site: {"calls": _CALLS[site], "bytes": _BYTES[site]} for site in sorted(_CALLS)}
 
 
+def count_rows(site: str, rows: int) -> None:
+    """Record that ``site`` sampled ``rows`` more rows (the denominator of bytes per row)."""
+    _ROWS[site] += rows
+
+
+def get_row_stats() -> dict[str, int]:
+    """``{site: rows sampled}`` for this rank since the last reset."""
+    return {site: _ROWS[site] for site in sorted(_ROWS)}
+
+
 def reset_comm_stats() -> None:
     _CALLS.clear()
     _BYTES.clear()
+    _ROWS.clear()
 
 
 def all_reduce(x: torch.Tensor, site: str) -> torch.Tensor:

@@ -58,6 +58,11 @@ def _device(kind: str, rank: int) -> torch.device:
 
 
 def _threads_per_rank(tp: int) -> int:
+    """Intra-op threads per rank: ``OMP_NUM_THREADS`` when set (e.g. 1 beside a busy HTTP thread),
+    else the CPUs shared out among the ranks."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
     return max(1, (os.cpu_count() or 1) // tp)
 
 

@@ -10,6 +10,10 @@ thread blocks on the queue (no spinning).
 If a step fails (``EngineDeadError`` from a dead TP worker, or anything else: the engine's state
 can no longer be trusted), every in-flight request gets the error, new requests are refused with
 it and ``is_healthy`` turns False.
+
+The queue is bounded: with ``max_waiting_requests`` set, a request that would make more than
+``max_num_seqs + max_waiting_requests`` requests in flight (running or waiting) is refused with
+``EngineOverloadedError`` at once, before it costs the engine anything.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from tpspec.engine.outputs import RequestOutput
 from tpspec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+class EngineOverloadedError(RuntimeError):
+    """The engine holds as many requests as it may queue; retry later."""
+
 
 # How long the loop waits for new work after a step that scheduled nothing (e.g. every waiting
 # request is blocked on KV blocks held by nobody that is running yet): a short nap, not a spin.
@@ -79,8 +87,8 @@ class RequestStream:
         except BaseException:  # cancelled (client gone) while waiting: free the request
             await self.aclose()
             raise
-        if isinstance(item, BaseException):
-            self._finish(abort=False)
+        if isinstance(item, BaseException):  # engine death, or ``fail``: free the request if it still runs
+            self._finish(abort=True)
             raise item
         if item.finished:
             self._finish(abort=False)
@@ -95,6 +103,12 @@ class RequestStream:
     def close(self) -> None:
         """Stop listening; aborts the request unless it already finished."""
         self._finish(abort=True)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (raised to its consumer, which aborts the request), e.g. at
+        a deadline. Call it on the consumer's event loop."""
+        if not self._done:
+            self._stream.queue.put_nowait(error)
 
     async def aclose(self) -> None:
         self.close()
@@ -113,8 +127,16 @@ class AsyncEngine:
     constructor takes any zero-argument factory returning an engine-like object (tests use fakes).
     """
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine], start: bool = True) -> None:
+    def __init__(
+        self, engine_factory: Callable[[], LLMEngine], start: bool = True, max_waiting_requests: int | None = None
+    ) -> None:
+        if max_waiting_requests is not None and (
+            isinstance(max_waiting_requests, bool) or not isinstance(max_waiting_requests, int) or max_waiting_requests < 0
+        ):
+            raise ValueError(f"max_waiting_requests must be an integer >= 0 or None, got {max_waiting_requests!r}")
         self._factory = engine_factory
+        self._max_waiting = max_waiting_requests
+        self.max_requests: int | None = None  # running + waiting; set once the engine exists
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _streams, _dead_error and _closed against the engine thread
         self._streams: dict[str, _Stream] = {}
@@ -130,8 +152,8 @@ class AsyncEngine:
             self.start()
 
     @classmethod
-    def from_args(cls, **engine_args: Any) -> "AsyncEngine":
-        return cls(lambda: LLMEngine.from_args(**engine_args))
+    def from_args(cls, max_waiting_requests: int | None = None, **engine_args: Any) -> "AsyncEngine":
+        return cls(lambda: LLMEngine.from_args(**engine_args), max_waiting_requests=max_waiting_requests)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +165,8 @@ class AsyncEngine:
         if self._start_error is not None:
             self._thread.join()
             raise self._start_error
+        if self._max_waiting is not None:
+            self.max_requests = self.engine.config.scheduler.max_num_seqs + self._max_waiting
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop (in-flight requests get an error) and shut the engine down. Idempotent."""
@@ -157,6 +181,17 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the engine thread has stopped (engine dead or shut down, workers gone)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight: added and not yet finished, aborted or failed."""
+        with self._lock:
+            return len(self._streams)
 
     @property
     def is_healthy(self) -> bool:
@@ -201,7 +236,8 @@ class AsyncEngine:
         """Queue a request and wait until the engine accepted it.
 
         Bad input raises ``ValueError`` (from ``LLMEngine.add_request``); a dead engine raises
-        ``EngineDeadError``. Iterate the returned stream for the outputs.
+        ``EngineDeadError``; a full queue raises ``EngineOverloadedError``. Iterate the returned
+        stream for the outputs.
         """
         loop = asyncio.get_running_loop()
         if request_id is None:
@@ -210,6 +246,10 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if self.max_requests is not None and len(self._streams) >= self.max_requests:
+                raise EngineOverloadedError(
+                    f"the engine holds {len(self._streams)} requests, its limit (max_num_seqs + max_waiting_requests)"
+                )
             self._streams[request_id] = stream
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         try:
@@ -246,6 +286,18 @@ class AsyncEngine:
         with self._lock:
             if self._dead_error is None and not self._closed:
                 self._commands.put(("abort", request_id, None))
+
+    def abort_all(self, error: BaseException) -> int:
+        """End every in-flight request: its consumer gets ``error`` and the engine aborts it (its KV
+        blocks are freed). Returns how many there were. The engine keeps serving new requests."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            for request_id, stream in streams.items():
+                if not stream.finished:
+                    stream.put(error)
+                if self._dead_error is None and not self._closed:
+                    self._commands.put(("abort", request_id, None))
+        return len(streams)
 
     def _drop_stream(self, request_id: str, stream: _Stream, abort: bool) -> None:
         """The consumer of ``stream`` stopped listening; abort the request if it still runs."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 
@@ -28,6 +27,7 @@ from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
 from tpspec.spec_decode.metrics import SpecDecodeStats
 from tpspec.spec_decode.ngram import NgramProposer
+from tpspec.spec_decode.resolve import resolve_drafter
 from tpspec.tokenizer import Tokenizer
 from tpspec.worker.step import StepInput, StepOutput
 
@@ -111,17 +111,17 @@ class LLMEngine:
         device: str = "auto",
         enable_chunked_prefill: bool = True,
         speculative_config: dict | str | SpeculativeConfig | None = None,
+        sampling_mode: str = "gathered",
     ) -> "LLMEngine":
         device_kind = _device_kind(device)
         spec = speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_dict(spec)
-        draft_arch = None
-        if spec is not None and spec.model is not None:
-            spec = dataclasses.replace(spec, model=resolve_model(spec.model))
-            draft_arch = ModelArchConfig.from_folder(spec.model)
         folder = resolve_model(model)
         arch = ModelArchConfig.from_folder(folder)
+        draft_arch = None
+        if spec is not None:
+            spec, draft_arch = resolve_drafter(spec, folder, arch)
         config = EngineConfig(
             model=folder,
             arch=arch,
@@ -137,12 +137,11 @@ class LLMEngine:
             ),
             speculative=spec,
             draft_arch=draft_arch,
+            sampling_mode=sampling_mode,
         )
         from tpspec.models.registry import get_model_class
 
         get_model_class(arch.architecture)  # unsupported architecture: fail before spawning anything
-        if draft_arch is not None:
-            get_model_class(draft_arch.architecture)
         return cls(config, Tokenizer.from_pretrained(folder), device_kind)
 
     # ---- requests -------------------------------------------------------------------------
@@ -296,10 +295,20 @@ class LLMEngine:
             num_free_kv_blocks=self.block_manager.num_free_blocks,
             kv_cache_usage=self.block_manager.usage,
             comm=comm.get_comm_stats(),
+            comm_bytes_per_row=self._comm_bytes_per_row(),
         )
         if self.spec_stats is not None:
             s.update(self.spec_stats.as_dict())
         return s
+
+    @staticmethod
+    def _comm_bytes_per_row() -> dict[str, float]:
+        """Collective bytes per sampled row, per sampling site (``draft.sample``, ``verify.sample``,
+        ``sample``), on the driver rank; 0 at TP 1."""
+        stats = comm.get_comm_stats()
+        return {
+            site: stats.get(site, {}).get("bytes", 0) / rows for site, rows in comm.get_row_stats().items() if rows
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,13 +1,15 @@
-"""From hidden states to logits over the full (unpadded) vocabulary, or straight to the greedy
-token with O(tp) communication (``get_top_tokens``)."""
+"""From hidden states to logits over the full (unpadded) vocabulary, to this rank's shard of them
+(``compute_logits_shard``, no communication, for ``sample.vocab_parallel``), or straight to the
+greedy token with O(tp) communication (``get_top_tokens``)."""
 
 from __future__ import annotations
 
 import torch
 
 from tpspec.distributed import comm
-from tpspec.distributed.parallel_state import get_tp_size
 from tpspec.layers.vocab_parallel import ParallelLMHead
+from tpspec.sample import vocab_parallel
+from tpspec.sample.vocab_parallel import LogitsShard
 
 # Token ids travel as float32 next to their logit in get_top_tokens; float32 holds every integer
 # below 2**24 exactly, and no id at or above it.
@@ -50,37 +52,29 @@ class LogitsProcessor:
         logits = comm.all_gather(self.local_logits(lm_head, hidden), site, dim=-1)
         return logits[:, : self.vocab_size]
 
+    def compute_logits_shard(self, lm_head: ParallelLMHead, hidden: torch.Tensor) -> LogitsShard:
+        """hidden: [num_rows, hidden_size] -> this rank's transformed float32 shard of the logits,
+        ``[num_rows, shard_size]``, padding columns (ids >= vocab_size) masked to -inf. No communication."""
+        logits = self.local_logits(lm_head, hidden)  # [num_rows, shard_size] float32
+        num_real = max(0, min(self.vocab_size - lm_head.vocab_start, logits.shape[-1]))
+        if num_real < logits.shape[-1]:
+            logits[:, num_real:] = float("-inf")  # padding columns never win
+        return LogitsShard(logits, lm_head.vocab_start, self.vocab_size)
+
     def get_top_tokens(self, lm_head: ParallelLMHead, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> greedy token ids [num_rows] (int64), equal to
         ``compute_logits(lm_head, hidden).argmax(-1)`` on every rank, with O(tp) communication.
 
         Each rank takes the argmax of its own (transformed, float32) shard logits, padding columns
         masked to -inf; one all-gather of packed ``[num_rows, 2]`` float32 (value, global id) pairs
-        then picks, per row, the highest value, ties to the lowest rank. ``torch.argmax`` returns the
-        first maximal index (documented), so within a shard ties go to the lowest local id, and since
-        shards are ordered by id, the lowest rank holds the lowest global id: the same token the
-        full-vocabulary argmax picks. NaN: ``torch.argmax`` ranks NaN above everything (first NaN
-        wins), locally and across ranks alike, so a row with NaN logits also gets the full argmax's
-        answer (the first NaN's id). Gathered bytes: 8·tp per row (none at TP 1).
+        then picks, per row, the highest value, ties to the lowest rank (``vocab_parallel.argmax``).
+        ``torch.argmax`` returns the first maximal index (documented), so within a shard ties go to
+        the lowest local id, and since shards are ordered by id, the lowest rank holds the lowest
+        global id: the same token the full-vocabulary argmax picks. NaN: ``torch.argmax`` ranks NaN
+        above everything (first NaN wins), locally and across ranks alike, so a row with NaN logits
+        also gets the full argmax's answer (the first NaN's id). Only a shard whose columns are all
+        -inf or padding can report a padding id, and then rank 0 (always real columns) wins the tie.
+        Gathered bytes: 8·tp per row (none at TP 1).
         """
         check_local_argmax_vocab(self.vocab_size)
-        num_rows = hidden.shape[0]
-        if num_rows == 0:  # same on every rank (SPMD), so skipping the collective keeps them in step
-            return torch.empty(0, dtype=torch.int64, device=hidden.device)
-        logits = self.local_logits(lm_head, hidden)  # [num_rows, shard_size] float32
-        shard_size = logits.shape[-1]
-        num_real = max(0, min(self.vocab_size - lm_head.vocab_start, shard_size))
-        if num_real < shard_size:
-            logits[:, num_real:] = float("-inf")  # padding columns never win
-        local_id = logits.argmax(dim=-1, keepdim=True)  # [num_rows, 1], first maximum
-        if get_tp_size() == 1:
-            return local_id.squeeze(-1)
-        local_val = logits.gather(-1, local_id)  # [num_rows, 1]
-        # Exact for every real id (< 2**24, checked above). Only a shard whose columns are all -inf
-        # or padding can report a padding id, and then rank 0 (always real columns) wins the tie.
-        global_id = (local_id + lm_head.vocab_start).to(torch.float32)
-        packed = torch.cat([local_val, global_id], dim=-1)  # [num_rows, 2] (value, id)
-        gathered = comm.all_gather(packed, site, dim=0)  # [tp * num_rows, 2], rank-major
-        gathered = gathered.view(-1, num_rows, 2)  # [tp, num_rows, 2]
-        winner = gathered[..., 0].argmax(dim=0, keepdim=True)  # [1, num_rows], lowest rank on ties
-        return gathered[..., 1].gather(0, winner).squeeze(0).long()  # [num_rows]
+        return vocab_parallel.argmax(self.compute_logits_shard(lm_head, hidden), site)

@@ -46,8 +46,12 @@ class RotaryEmbedding(nn.Module):
         d = x.shape[-1] // 2
         return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [num_tokens]; x: [num_tokens, heads, head_dim] -> x rotated by its positions."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return x * cos + self._rotate_half(x) * sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)

@@ -17,6 +17,8 @@ from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
 from tpspec.layers.rotary import RotaryEmbedding
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from tpspec.models.weights import checkpoint_target
+from tpspec.sample.vocab_parallel import LogitsShard
 
 
 class LlamaAttention(nn.Module):
@@ -134,6 +136,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
         return self.logits_processor.compute_logits(self.lm_head, hidden, site)
 
+    def compute_logits_shard(self, hidden: torch.Tensor) -> LogitsShard:
+        """hidden: [num_rows, hidden_size] -> this rank's columns of the logits [num_rows, shard_size]
+        (padding -inf), for vocab-parallel sampling. No communication."""
+        return self.logits_processor.compute_logits_shard(self.lm_head, hidden)
+
     def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> [num_rows] int64, equal to
         ``compute_logits(hidden).argmax(-1)``, gathering 8·tp bytes per row instead of 4·vocab."""
@@ -147,16 +154,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
-        shard = None
-        parts = name.split(".")
-        for ckpt, (ours, sid) in self.packed.items():
-            if ckpt in parts:
-                parts[parts.index(ckpt)] = ours
-                shard = sid
-                break
-        *mod_path, pname = parts
-        module = self.get_submodule(".".join(mod_path))
-        return ".".join(parts), module, getattr(module, pname), shard
+        return checkpoint_target(self, name, self.packed)
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Load (checkpoint name, sliceable tensor) pairs; returns the names of our parameters loaded."""

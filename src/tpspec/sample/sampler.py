@@ -8,9 +8,11 @@ Per random row, in order:
      same to match bit for bit);
   2. top-k: keep every token whose scaled logit is >= the k-th largest (ties at the k-th value
      are all kept, so more than k tokens may survive);
-  3. top-p, on the softmax of what top-k kept: sort descending, find the shortest prefix whose
-     cumulative probability reaches top_p (at least one token), and keep every token whose logit
-     is >= the logit of the prefix's last token (ties at the boundary are all kept);
+  3. top-p, on what top-k kept: sort descending, find the shortest prefix whose cumulative mass
+     reaches ``top_p · Z`` (at least one token), and keep every token whose logit is >= the logit
+     of the prefix's last token (ties at the boundary are all kept). Masses and Z are the exact
+     fixed-point softmax weights of ``sample.mass``, so the nucleus does not depend on how the
+     row is summed (a vocab-parallel sampler finds the same one);
   4. min-p: keep tokens with ``p >= min_p * p_max``, evaluated as
      ``scaled >= max(scaled) + log(min_p)`` (ties kept, the maximum always survives);
   5. ``argmax(masked + gumbel)``; an exact tie goes to the lowest token id.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tpspec.sample.gumbel import SAMPLE, gumbel
+from tpspec.sample.mass import masses, reached
 from tpspec.sampling_params import SamplingParams
 
 # Top-p looks for its prefix among this many best tokens, growing to a full sort (see apply_top_p).
@@ -135,17 +138,17 @@ def apply_top_k(
     return logits.masked_fill(drop, -math.inf)
 
 
-def _top_p_threshold(
-    sorted_logits: torch.Tensor,  # [rows, n] float32, descending
-    lse: torch.Tensor,  # [rows, 1] float32, logsumexp over the whole row
+def top_p_threshold(
+    sorted_logits: torch.Tensor,  # [rows, n] float32, descending: each row's best n (or all)
+    row_max: torch.Tensor,  # [rows] float32, maximum of the whole row
+    total: torch.Tensor,  # [rows] int64, Z: the whole row's mass
     top_p: torch.Tensor,  # [rows] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logit of the last token of the top-p prefix ``[rows, 1]``, and whether it was found."""
-    cum = (sorted_logits - lse).exp_().cumsum(dim=-1)  # [rows, n]
-    length = (cum < top_p.unsqueeze(-1)).sum(dim=-1, keepdim=True) + 1  # [rows, 1]
-    found = length <= sorted_logits.shape[-1]
-    index = length.clamp(max=sorted_logits.shape[-1]) - 1
-    return sorted_logits.gather(-1, index), found.squeeze(-1)
+    """Logit of the first token whose cumulative mass reaches top_p · Z ``[rows, 1]``, and
+    whether it lies among these n ``[rows]`` bool. Integer cumulative sums: exact at every n."""
+    hit = reached(masses(sorted_logits, row_max).cumsum(dim=-1), top_p, total)  # [rows, n], monotone
+    index = hit.to(torch.int8).argmax(dim=-1, keepdim=True)  # first hit (0 if none)
+    return sorted_logits.gather(-1, index), hit[:, -1]
 
 
 def apply_top_p(
@@ -155,18 +158,18 @@ def apply_top_p(
     """Mask to -inf every token outside the row's top-p nucleus (the input is not modified).
 
     The prefix is searched among the best 256 tokens, then 4096, then the whole sorted vocab,
-    each stage only for rows not yet resolved. On CPU the cumulative sums over a common prefix
-    are the same numbers at every stage, so the stage that resolves a row does not change its
-    result (a GPU scan may round differently in the last bit).
+    each stage only for rows not yet resolved; the cumulative masses are integers, so the stage
+    that resolves a row does not change its result.
     """
     rows = torch.nonzero(top_p < 1.0).squeeze(-1)
     if rows.numel() == 0:
         return logits
     sub = logits.index_select(0, rows)  # [n_rows, vocab_size]
-    lse = torch.logsumexp(sub, dim=-1, keepdim=True)  # [n_rows, 1]
+    row_max = sub.amax(dim=-1)  # [n_rows]
+    total = masses(sub, row_max).sum(dim=-1)  # [n_rows] int64
     sub_p = top_p.index_select(0, rows)  # [n_rows]
     vocab = sub.shape[-1]
-    threshold = torch.empty_like(lse)  # [n_rows, 1]
+    threshold = torch.empty(rows.numel(), 1, dtype=sub.dtype, device=sub.device)  # [n_rows, 1]
     pending = torch.arange(rows.numel(), device=logits.device)
     for n in _TOP_P_CANDIDATES:
         part = sub.index_select(0, pending)
@@ -174,7 +177,7 @@ def apply_top_p(
             best = torch.sort(part, dim=-1, descending=True).values
         else:
             best = torch.topk(part, n, dim=-1).values
-        thr, found = _top_p_threshold(best, lse.index_select(0, pending), sub_p.index_select(0, pending))
+        thr, found = top_p_threshold(best, row_max[pending], total[pending], sub_p[pending])
         threshold.index_copy_(0, pending, thr)
         if n >= vocab or bool(found.all()):
             break
@@ -223,8 +226,14 @@ def processed_logits(
     return scaled
 
 
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """The float32's bit pattern as int64 in [-2^31, 2^31), monotonic in the value (-0.0 = +0.0)."""
+    bits = (x + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 def _topk_by_key(
-    logprobs: torch.Tensor,  # [rows, vocab_size] float32
+    values: torch.Tensor,  # [rows, vocab_size] float32
     n: int,
 ) -> torch.Tensor:
     """Ids of the top n, equal values ordered by lowest id: one int64 key per token, no ties.
@@ -232,14 +241,12 @@ def _topk_by_key(
     The key is the float's order-preserving bit pattern in the high half and the inverted token
     id in the low half.
     """
-    bits = (logprobs + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotonic in the float value
-    ids = torch.arange(logprobs.shape[-1], device=logprobs.device, dtype=torch.int64)
-    return torch.topk(ordered * 2**32 + (0xFFFFFFFF - ids), n, dim=-1).indices  # [rows, n]
+    ids = torch.arange(values.shape[-1], device=values.device, dtype=torch.int64)
+    return torch.topk(order_key(values) * 2**32 + (0xFFFFFFFF - ids), n, dim=-1).indices  # [rows, n]
 
 
-def _topk_logprobs(
-    logprobs: torch.Tensor,  # [rows, vocab_size] float32
+def top_n(
+    values: torch.Tensor,  # [rows, vocab_size] float32
     n: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n (values, ids), descending, equal values ordered by lowest id, deterministically.
@@ -247,17 +254,33 @@ def _topk_logprobs(
     ``torch.topk`` picks the set unless a tie crosses the n-th place; such rows use the exact
     key. The chosen set is then ordered by (value descending, id ascending).
     """
-    _, top_ids = torch.topk(logprobs, n, dim=-1)  # [rows, n]
+    _, top_ids = torch.topk(values, n, dim=-1)  # [rows, n]
     if n == 0:
-        return logprobs.gather(-1, top_ids), top_ids
-    nth = logprobs.gather(-1, top_ids[:, -1:])  # [rows, 1]
-    tied = torch.nonzero((logprobs >= nth).sum(dim=-1) > n).squeeze(-1)
+        return values.gather(-1, top_ids), top_ids
+    nth = values.gather(-1, top_ids[:, -1:])  # [rows, 1]
+    tied = torch.nonzero((values >= nth).sum(dim=-1) > n).squeeze(-1)
     if tied.numel() > 0:
-        top_ids = top_ids.index_copy(0, tied, _topk_by_key(logprobs.index_select(0, tied), n))
+        top_ids = top_ids.index_copy(0, tied, _topk_by_key(values.index_select(0, tied), n))
     top_ids = top_ids.sort(dim=-1).values
-    order = logprobs.gather(-1, top_ids).sort(dim=-1, descending=True, stable=True).indices
+    order = values.gather(-1, top_ids).sort(dim=-1, descending=True, stable=True).indices
     top_ids = top_ids.gather(-1, order)
-    return logprobs.gather(-1, top_ids), top_ids
+    return values.gather(-1, top_ids), top_ids
+
+
+def logprobs_of(
+    logits: torch.Tensor,  # [rows, vocab_size] float32, raw
+    token_ids: torch.Tensor,  # [rows] int64
+    n: int,
+) -> SampledLogprobs:
+    """log softmax(logits) at ``token_ids``, and the top n tokens by logit (the same order as by
+    logprob; ties to the lowest id) with their logprobs."""
+    all_logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab_size]
+    _, top_ids = top_n(logits, min(n, logits.shape[-1]))
+    return SampledLogprobs(
+        token_logprob=all_logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1),
+        topk_logprobs=all_logprobs.gather(-1, top_ids),
+        topk_token_ids=top_ids,
+    )
 
 
 class Sampler:
@@ -286,14 +309,7 @@ class Sampler:
 
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            all_logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab_size]
-            n = min(metadata.max_num_logprobs, logits.shape[-1])
-            top_values, top_ids = _topk_logprobs(all_logprobs, n)
-            logprobs = SampledLogprobs(
-                token_logprob=all_logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1),
-                topk_logprobs=top_values,
-                topk_token_ids=top_ids,
-            )
+            logprobs = logprobs_of(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod

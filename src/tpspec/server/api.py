@@ -5,9 +5,13 @@ not), ``GET /v1/models``, ``/health`` (200, or 503 once the engine died), ``/ver
 ``/metrics`` (Prometheus). Errors are OpenAI-shaped ``{"error": {message, type, param, code}}``
 with a 4xx for anything the client got wrong (validation errors are 400, as in vLLM), never a
 stack trace. With an API key every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+CORS is off unless origins are allowed explicitly.
 
-A client that goes away, mid-stream or while waiting for a non-streamed answer, aborts its request
-(its KV blocks are freed at once).
+Per-request limits are in ``limits``; a full engine queue is a 429 with Retry-After; a request
+past its deadline ends with 504 ``request_timeout``. A failure after a stream has started arrives
+as a last ``data: {"error": ...}`` event before ``[DONE]``. A client that goes away, mid-stream
+or while waiting for a non-streamed answer, aborts its request (its KV blocks are freed at once).
+Request ids, request logs and error counters: ``middleware``; shutdown: ``lifecycle``.
 """
 
 from __future__ import annotations
@@ -16,33 +20,33 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tpspec
 from tpspec.distributed.executor import EngineDeadError
-from tpspec.engine.async_engine import AsyncEngine, RequestStream
+from tpspec.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
 from tpspec.engine.outputs import RequestOutput
 from tpspec.sampling_params import SamplingParams
-from tpspec.server.args import API_KEY_ENV
+from tpspec.server.args import API_KEY_ENV, server_limits
+from tpspec.server.limits import ServerLimits
 from tpspec.server.metrics import CONTENT_TYPE, ServerMetrics
+from tpspec.server.middleware import APIKeyMiddleware, RequestContextMiddleware, error_kind, record_error
 from tpspec.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    error_body,
     finite_logprob,
     new_id,
     now,
@@ -52,46 +56,25 @@ from tpspec.server.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# Seconds a client is asked to wait (Retry-After) when the queue is full or the server is stopping.
+RETRY_AFTER_S = 1
+
+
 def _json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
-
-
-class _APIKeyMiddleware:
-    """Pure ASGI (so streaming and disconnect detection are untouched): 401 without the key."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("path") == "/health":
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                given = value
-                break
-        if not hmac.compare_digest(given, self.expected):
-            response = JSONResponse(
-                error_body("Incorrect or missing API key (send 'Authorization: Bearer <key>').", 401, code="invalid_api_key"),
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+def _error_response(request: Request, err: APIError) -> JSONResponse:
+    record_error(request.scope.get("state", {}), err.status_code, err.code)
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
 
 class _RequestTimer:
-    """Arrival, first token and end of one request, for the latency histograms."""
+    """Arrival, first token and end of one request, for the latency histograms and the request log."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, log: dict) -> None:
         self.metrics = metrics
+        self.log = log
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.done = False
@@ -105,26 +88,31 @@ class _RequestTimer:
             ttft = None if self.first_token is None else self.first_token - self.arrival
             c = out.outputs[0]
             self.metrics.observe_request(ttft, latency, len(c.token_ids), c.finish_reason)
+            self.log.update(completion_tokens=len(c.token_ids), finish_reason=c.finish_reason)
 
     def on_gone(self, reason: str = "abort") -> None:
-        """The request ended without a finished output (client gone, engine error)."""
+        """The request ended without a finished output (client gone, engine error, deadline)."""
         if not self.done:
             self.done = True
             self.metrics.request_success.labels(self.metrics.model_name, reason).inc()
+            self.log["finish_reason"] = reason
 
 
 class OpenAIServer:
     """Request handling, independent of how the app is run."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], model_path: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], model_path: str | None = None,
+                 limits: ServerLimits | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.engine = engine
         self.names = list(served_model_names)
         self.model_name = self.names[0]
         self.model_path = model_path
+        self.limits = limits or ServerLimits()
         self.metrics = ServerMetrics(self.model_name)
         self.created = now()
+        self.draining = False  # shutting down: no new requests (set by lifecycle.GracefulServer)
 
     # ---- shared steps ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -133,6 +121,9 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     def check_engine(self) -> None:
+        if self.draining:
+            raise APIError("The server is shutting down.", 503, code="server_shutting_down",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         if not self.engine.is_healthy:
             raise APIError("The engine is not running (it died or is shutting down).", 503, code="engine_dead")
 
@@ -162,21 +153,30 @@ class OpenAIServer:
         if value is not None and value < 1:
             raise APIError(f"{param} must be at least 1, got {value}", param=param, code="invalid_value")
 
-    def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.engine.tokenizer.encode(prompt)
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:  # JSON may spell a lone surrogate (\ud800); no tokenizer takes one
+                raise APIError(f"{param} is not valid Unicode text: it holds an unpaired surrogate", param=param) from None
+            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
         if not ids:
             raise APIError(f"{param} is empty: it must contain at least one token", param=param)
         return ids
 
-    async def start(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    async def start(self, ids: list[int], params: SamplingParams, request_id: str, request: Request) -> RequestStream:
         self.check_engine()
+        request.state.log.update(completion_id=request_id, prompt_tokens=len(ids))
         try:
             return await self.engine.add_request(ids, params, request_id)
         except ValueError as e:
             raise APIError(str(e)) from None
+        except EngineOverloadedError:
+            raise APIError(f"The server is busy: {self.engine.max_requests} requests are already running or waiting. "
+                           "Retry later.", 429, code="too_many_requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineDeadError:
             raise APIError("The engine is not running (it died or is shutting down).", 503, code="engine_dead") from None
 
@@ -215,18 +215,22 @@ class OpenAIServer:
         return {"content": content}
 
     # ---- endpoints ------------------------------------------------------------------------------
-    async def completions(self, body: Any, request: Request) -> Response:
-        req = _validate(CompletionRequest, body)
+    async def completions(self, request: Request) -> Response:
+        deadline = self.limits.deadline()
+        req = _validate(CompletionRequest, await self.limits.read_json(request, deadline))
         self.check_model(req.model)
         self.check_max_tokens_sign(req.max_tokens, "max_tokens")
+        self.limits.check_stops(req.stop, req.stop_token_ids)
+        requested, default = self.limits.cap_output(req.max_tokens, 16, "max_tokens")
         prompt = req.single_prompt()
-        params = req.to_sampling_params(req.max_tokens)
+        params = req.to_sampling_params(requested)
         ids = self.tokenize(prompt, "prompt")
-        max_tokens = self.resolve_max_tokens(req.max_tokens, 16, len(ids), "max_tokens", "prompt")
+        self.limits.check_prompt(len(ids), "prompt")
+        max_tokens = self.resolve_max_tokens(requested, default, len(ids), "max_tokens", "prompt")
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("cmpl")
-        timer = _RequestTimer(self.metrics)
-        stream = await self.start(ids, params, request_id)
+        timer = _RequestTimer(self.metrics, request.state.log)
+        stream = await self.start(ids, params, request_id, request)
         base = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         want_logprobs = params.logprobs is not None
 
@@ -242,9 +246,9 @@ class OpenAIServer:
                     text_offset += sum(len(t) for t in lp["tokens"])
                 return {"index": 0, "text": out.new_text, "logprobs": lp}
 
-            return _sse(_events(stream, timer, base, req, want_logprobs, choice))
+            return _sse(request, _events(stream, timer, deadline, base, req, want_logprobs, choice))
 
-        final = await _collect(request, stream, timer)
+        final = await _collect(request, stream, timer, deadline)
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
@@ -252,12 +256,15 @@ class OpenAIServer:
         choice = {"index": 0, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         return JSONResponse(dict(base, choices=[choice], usage=usage(len(final.prompt_token_ids), len(c.token_ids))))
 
-    async def chat_completions(self, body: Any, request: Request) -> Response:
-        req = _validate(ChatCompletionRequest, body)
+    async def chat_completions(self, request: Request) -> Response:
+        deadline = self.limits.deadline()
+        req = _validate(ChatCompletionRequest, await self.limits.read_json(request, deadline))
         self.check_model(req.model)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.requested_max_tokens()
         self.check_max_tokens_sign(requested, param)
+        self.limits.check_stops(req.stop, req.stop_token_ids)
+        requested, default = self.limits.cap_output(requested, None, param)
         params = req.to_sampling_params(requested)
         messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
         tok = self.engine.tokenizer
@@ -265,12 +272,13 @@ class OpenAIServer:
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-        ids = self.tokenize(tok.encode(text, add_special_tokens=False), "messages")
-        max_tokens = self.resolve_max_tokens(requested, None, len(ids), param, "messages")
+        ids = self.tokenize(text, "messages", add_special_tokens=False)
+        self.limits.check_prompt(len(ids), "messages")
+        max_tokens = self.resolve_max_tokens(requested, default, len(ids), param, "messages")
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("chatcmpl")
-        timer = _RequestTimer(self.metrics)
-        stream = await self.start(ids, params, request_id)
+        timer = _RequestTimer(self.metrics, request.state.log)
+        stream = await self.start(ids, params, request_id, request)
         base = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         top_n = req.top_logprobs or 0
         want_logprobs = params.logprobs is not None
@@ -287,9 +295,9 @@ class OpenAIServer:
                 delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
                 return {"index": 0, "delta": delta, "logprobs": lp}
 
-            return _sse(_events(stream, timer, base, req, want_logprobs, choice, first))
+            return _sse(request, _events(stream, timer, deadline, base, req, want_logprobs, choice, first))
 
-        final = await _collect(request, stream, timer)
+        final = await _collect(request, stream, timer, deadline)
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
@@ -323,8 +331,14 @@ def _validate(model_cls, body: Any):
     return req
 
 
-async def _iterate(stream: RequestStream, timer: _RequestTimer) -> AsyncIterator[RequestOutput]:
-    """The request's outputs, with timing; closing early (client gone) aborts the request."""
+async def _iterate(stream: RequestStream, timer: _RequestTimer, deadline: float | None) -> AsyncIterator[RequestOutput]:
+    """The request's outputs, with timing; closing early (client gone) or the deadline passing
+    aborts the request. An ``APIError`` raised here is the request's answer (deadline, shutdown)."""
+    expiry = None
+    if deadline is not None:
+        timeout = APIError("The request did not finish within this server's request timeout (--request-timeout).",
+                           504, code="request_timeout")
+        expiry = asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0.0), stream.fail, timeout)
     try:
         async for out in stream:
             timer.on_output(out)
@@ -332,14 +346,27 @@ async def _iterate(stream: RequestStream, timer: _RequestTimer) -> AsyncIterator
     except EngineDeadError:
         timer.on_gone("error")
         raise
+    except APIError as e:
+        timer.on_gone("timeout" if e.code == "request_timeout" else "error")
+        raise
     finally:
+        if expiry is not None:
+            expiry.cancel()
         stream.close()
         timer.on_gone("abort")
+
+
+def _failure(error: BaseException) -> APIError:
+    """The answer to a request whose generation failed after it was accepted."""
+    if isinstance(error, APIError):
+        return error
+    return APIError("The engine died while generating this response.", 503, code="engine_dead")
 
 
 async def _events(
     stream: RequestStream,
     timer: _RequestTimer,
+    deadline: float | None,
     base: dict,
     req: CompletionRequest | ChatCompletionRequest,
     want_logprobs: bool,
@@ -357,7 +384,7 @@ async def _events(
 
     if first_choice is not None:
         yield chunk([first_choice], None)
-    async for out in _iterate(stream, timer):
+    async for out in _iterate(stream, timer, deadline):
         if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
             continue
         c = out.outputs[0]
@@ -370,25 +397,35 @@ async def _events(
             yield chunk([], counts)
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
+    log = request.state.log
+    log["stream"] = True
+
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-        except EngineDeadError:
-            logger.error("the engine died while streaming a response")
-            yield f"data: {_json(error_body('The engine died while generating this response.', 503, code='engine_dead'))}\n\n"
+        except (EngineDeadError, APIError) as e:
+            err = _failure(e)
+            logger.warning("stream of request %s ended early: %s", request.state.request_id, err.code)
+            log["error"] = error_kind(err.status_code, err.code)
+            yield f"data: {_json(err.body())}\n\n"
+        except Exception:  # a bug: the traceback goes to the log, the client gets a clean end
+            logger.exception("stream of request %s failed", request.state.request_id)
+            log["error"] = "internal_error"
+            yield f"data: {_json(APIError('Internal server error.', 500, code='internal_error').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _collect(request: Request, stream: RequestStream, timer: _RequestTimer) -> RequestOutput | None:
+async def _collect(request: Request, stream: RequestStream, timer: _RequestTimer,
+                   deadline: float | None) -> RequestOutput | None:
     """Wait for the final output; None (request aborted) if the client disconnects first."""
 
     async def run() -> RequestOutput | None:
         final = None
-        async for out in _iterate(stream, timer):
+        async for out in _iterate(stream, timer, deadline):
             final = out
         return final
 
@@ -414,22 +451,15 @@ async def _collect(request: Request, stream: RequestStream, timer: _RequestTimer
         with contextlib.suppress(asyncio.CancelledError):
             await task
         logger.info("client disconnected; aborted request %s", stream.request_id)
+        request.state.log["error"] = error_kind(499)
         return None
     try:
         final = task.result()
-    except EngineDeadError:
-        raise APIError("The engine died while generating this response.", 503, code="engine_dead") from None
+    except (EngineDeadError, APIError) as e:
+        raise _failure(e) from None
     if final is None:
         raise APIError("The request ended without output.", 500)
     return final
-
-
-async def _read_json(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError("The request body is not valid JSON.", code="invalid_json") from None
 
 
 def build_app(
@@ -437,48 +467,48 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     model_path: str | None = None,
+    limits: ServerLimits | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app over a started ``engine``. The caller owns the engine's lifetime."""
-    server = OpenAIServer(engine, served_model_names, model_path)
+    """The FastAPI app over a started ``engine``. The caller owns the engine's lifetime.
+
+    ``allowed_origins`` turns CORS on for those origins (``["*"]``: any); None leaves it off."""
+    server = OpenAIServer(engine, served_model_names, model_path, limits)
     app = FastAPI(title="tpspec", version=tpspec.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body("Invalid request.", 400), status_code=400)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(request, APIError("Invalid request.", 400))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = exc.status_code
-        message = {404: "Not found.", 405: "Method not allowed."}.get(code, str(exc.detail))
-        return JSONResponse(error_body(message, code), status_code=code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return JSONResponse(error_body("Internal server error.", 500), status_code=500)
+        message = {404: "Not found.", 405: "Method not allowed."}.get(code, "HTTP error.")
+        return _error_response(request, APIError(message, code, headers=getattr(exc, "headers", None)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await server.completions(await _read_json(request), request)
+        return await server.completions(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await server.chat_completions(await _read_json(request), request)
+        return await server.chat_completions(request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(server.models())
 
     @app.get("/health")
-    async def health() -> Response:
-        if engine.is_healthy:
+    async def health(request: Request) -> Response:
+        if engine.is_healthy and not server.draining:
             return Response(status_code=200)
-        return JSONResponse(error_body("The engine is not running.", 503, code="engine_dead"), status_code=503)
+        code = "server_shutting_down" if engine.is_healthy else "engine_dead"
+        return _error_response(request, APIError("The engine is not running.", 503, code=code))
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -488,15 +518,24 @@ def build_app(
     async def metrics() -> Response:
         return Response(await server.render_metrics(), media_type=CONTENT_TYPE)
 
+    # The last added runs first: request context, then CORS (preflights need no key), then the key.
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "Retry-After"])
+    app.add_middleware(RequestContextMiddleware, metrics=server.metrics)
     return app
 
 
 # ---- `tpspec serve` -------------------------------------------------------------------------------
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    """Build the engine (on its own thread), then serve until SIGINT/SIGTERM."""
+    """Build the engine (on its own thread), then serve until SIGINT/SIGTERM or engine death;
+    returns the exit status (``lifecycle``)."""
     import uvicorn
+
+    from tpspec.server.lifecycle import check_grace_period, serve
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -507,6 +546,8 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if args.gpu_memory_utilization is not None:
         logger.info("--gpu-memory-utilization is ignored: size the KV cache with --kv-cache-memory-gb or --num-kv-blocks")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    limits = server_limits(args)  # bad flag values fail before the engine is built
+    check_grace_period(args.shutdown_grace_period)
     model = engine_args.get("model")
     if args.served_model_name:
         names = args.served_model_name
@@ -517,22 +558,14 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
         names = [DEFAULT_MODEL_FILE.split(".")[0]]
 
-    engine = AsyncEngine.from_args(**engine_args)
+    engine = AsyncEngine.from_args(max_waiting_requests=args.max_waiting_requests, **engine_args)
     try:
-        app = build_app(engine, names, api_key=api_key, model_path=model)
+        app = build_app(engine, names, api_key=api_key, model_path=model, limits=limits,
+                        allowed_origins=args.allowed_origins)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5)
-        sock = config.bind_socket()
-        host, port = sock.getsockname()[:2]
-        logger.info("tpspec server ready: http://%s:%d (model %s%s)", host, port, names[0],
-                    ", API key required" if api_key else "")
-        # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: make
-        # that a no-op so the engine below is shut down too and the exit status is 0.
-        previous = signal.signal(signal.SIGTERM, lambda *_: None)
-        try:
-            uvicorn.Server(config).run(sockets=[sock])
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+                                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                                server_header=False)
+        description = f"model {names[0]}" + (", API key required" if api_key else "")
+        return serve(engine, config, args.shutdown_grace_period, description)
     finally:
         engine.shutdown()
-    return 0

@@ -2,8 +2,8 @@
 
 Engine-wide numbers (queue sizes, KV usage, token counters, speculative decoding, communication)
 come from a snapshot of ``LLMEngine.get_stats()`` taken on each scrape; per-request latencies
-(TTFT, time per output token, end-to-end) and finished requests are recorded by the server as
-requests end. Names mirror vLLM's ``vllm:*`` metrics with the ``tpspec:`` prefix.
+(TTFT, time per output token, end-to-end), finished requests and errors by kind are recorded by
+the server as requests end. Names mirror vLLM's ``vllm:*`` metrics with the ``tpspec:`` prefix.
 """
 
 from __future__ import annotations
@@ -75,6 +75,14 @@ class _EngineStatsCollector:
             nbytes.add_metric([m, site], float(c.get("bytes", 0)))
         yield calls
         yield nbytes
+        per_row = GaugeMetricFamily(
+            "tpspec:comm_bytes_per_sampled_row",
+            "Collective bytes per sampled row on the driver rank, by sampling site (draft.sample, verify.sample, sample).",
+            labels=["model_name", "site"],
+        )
+        for site, value in s.get("comm_bytes_per_row", {}).items():
+            per_row.add_metric([m, site], float(value))
+        yield per_row
 
 
 class ServerMetrics:
@@ -87,6 +95,10 @@ class ServerMetrics:
         self.request_success = Counter(
             "tpspec:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry,
+        )
+        self.request_errors = Counter(
+            "tpspec:request_errors", "HTTP requests that ended in an error, by kind (the error's code).",
+            ["model_name", "kind"], registry=self.registry,
         )
         self.ttft = Histogram(
             "tpspec:time_to_first_token_seconds", "Time from arrival to the first generated token.",

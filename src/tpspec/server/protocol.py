@@ -28,6 +28,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -35,6 +36,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _error_type(status_code)
+        self.headers = headers  # extra response headers, e.g. Retry-After
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status_code, self.param, self.code, self.type)
@@ -45,6 +47,8 @@ def _error_type(status_code: int) -> str:
         return "authentication_error"
     if status_code == 404:
         return "not_found_error"
+    if status_code == 429:
+        return "rate_limit_error"
     if status_code >= 500:
         return "server_error"
     return "invalid_request_error"
@@ -72,6 +76,8 @@ def validation_error_to_api_error(error: ValidationError) -> APIError:
     message = "; ".join(f"{field}: {msg}" for field, msg in by_field.items())
     return APIError(message, 400, param=None if first == "body" else first)
 
+
+_INT64_MAX = 2**63 - 1
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tagged-union", "literal", "model"}
 
@@ -118,6 +124,9 @@ class _SamplingFields(_Base):
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        # The engine packs these into int64 tensors: a larger value would fail the engine step.
+        if self.top_k is not None and not -1 <= self.top_k <= _INT64_MAX:
+            raise APIError(f"top_k must be -1, 0 or in [1, {_INT64_MAX}], got {self.top_k}", param="top_k")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(

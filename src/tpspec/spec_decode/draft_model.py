@@ -55,7 +55,7 @@ class DraftModelProposer(DraftModelSpeculator):
         return hidden[ends.to(self.device)]
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput, target_hidden: torch.Tensor | None = None) -> DraftOutput:
+    def propose(self, inp: DraftInput) -> DraftOutput:
         k = self.num_speculative_tokens
         rows = [i for i, p in enumerate(inp.propose) if p]
         drafts: list[list[int]] = [[] for _ in inp.token_ids]

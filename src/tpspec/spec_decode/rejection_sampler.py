@@ -7,8 +7,10 @@ Greedy requests (temperature 0): accept d_j while ``d_j == argmax(row j)`` (ties
 id, as the Sampler); at the first mismatch emit that argmax, else the bonus row's argmax. This
 is exactly plain greedy decoding.
 
-Random requests, with p_j the row's processed distribution (``softmax(processed_logits(...))``:
-temperature, top-k, top-p, min-p exactly as the Sampler applies them) and q_j the draft's:
+Random requests, with p_j the row's processed distribution (``processed_logits``: temperature,
+top-k, top-p, min-p exactly as the Sampler applies them; normalized with the exact integer masses
+of ``sample.mass``, i.e. softmax up to float rounding, so that a vocab-parallel verifier gets the
+same numbers) and q_j the draft's:
   1. accept d_j iff ``u_j * q_j(d_j) < p_j(d_j)``, i.e. with probability min(1, p/q), where
      ``u_j = uniform(seed, position_j, token id = d_j, ACCEPT)``;
   2. at the first rejection emit ``argmax(log max(p_j - q_j, 0) + gumbel(seed, position_j, id,
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tpspec.sample.gumbel import ACCEPT, RESIDUAL, SAMPLE, gumbel, uniform
+from tpspec.sample.mass import masses, probs
 from tpspec.sample.sampler import SamplingMetadata, processed_logits, select_rows
 
 
@@ -42,6 +45,36 @@ from tpspec.sample.sampler import SamplingMetadata, processed_logits, select_row
 class RejectionOutput:
     output_token_ids: list[list[int]]  # per request: accepted drafts + one recovered/bonus token
     num_accepted: list[int]  # per request: accepted drafts, 0..k_i
+
+
+def check_inputs(
+    target_rows: int,  # rows of the target's logits
+    vocab_size: int,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: Sequence[int],
+    metadata: SamplingMetadata,
+) -> None:
+    """The checks every verifier makes (``ValueError`` naming the argument)."""
+    for k in num_draft_tokens:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_draft_tokens must hold integers >= 0, got {list(num_draft_tokens)}")
+    num_drafts = sum(num_draft_tokens)
+    num_rows = num_drafts + len(num_draft_tokens)
+    if target_rows != num_rows:
+        raise ValueError(
+            f"target_logits must have num_rows = sum(k_i + 1) = {num_rows} rows, got {target_rows}"
+        )
+    if draft_token_ids.dim() != 1 or draft_token_ids.numel() != num_drafts or draft_token_ids.dtype != torch.int64:
+        raise ValueError(
+            f"draft_token_ids must be a [{num_drafts}] int64 tensor (sum of num_draft_tokens), got shape "
+            f"{tuple(draft_token_ids.shape)} dtype {draft_token_ids.dtype}"
+        )
+    if num_drafts and (int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= vocab_size):
+        raise ValueError(f"draft_token_ids must lie in [0, {vocab_size}), got {draft_token_ids.tolist()}")
+    if metadata.temperature.shape[0] != num_rows:
+        raise ValueError(
+            f"metadata must have one row per target row ({num_rows}), got {metadata.temperature.shape[0]}"
+        )
 
 
 def _check_inputs(
@@ -52,28 +85,10 @@ def _check_inputs(
     draft_probs: torch.Tensor | None,
     draft_dists: torch.Tensor | None,
 ) -> None:
-    for k in num_draft_tokens:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"num_draft_tokens must hold integers >= 0, got {list(num_draft_tokens)}")
-    num_drafts = sum(num_draft_tokens)
-    num_rows = num_drafts + len(num_draft_tokens)
-    if target_logits.dim() != 2 or target_logits.shape[0] != num_rows:
-        raise ValueError(
-            f"target_logits must be [num_rows, vocab_size] with num_rows = sum(k_i + 1) = {num_rows}, "
-            f"got {tuple(target_logits.shape)}"
-        )
-    vocab = target_logits.shape[1]
-    if draft_token_ids.dim() != 1 or draft_token_ids.numel() != num_drafts or draft_token_ids.dtype != torch.int64:
-        raise ValueError(
-            f"draft_token_ids must be a [{num_drafts}] int64 tensor (sum of num_draft_tokens), got shape "
-            f"{tuple(draft_token_ids.shape)} dtype {draft_token_ids.dtype}"
-        )
-    if num_drafts and (int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= vocab):
-        raise ValueError(f"draft_token_ids must lie in [0, {vocab}), got {draft_token_ids.tolist()}")
-    if metadata.temperature.shape[0] != num_rows:
-        raise ValueError(
-            f"metadata must have one row per target row ({num_rows}), got {metadata.temperature.shape[0]}"
-        )
+    if target_logits.dim() != 2:
+        raise ValueError(f"target_logits must be [num_rows, vocab_size], got {tuple(target_logits.shape)}")
+    check_inputs(target_logits.shape[0], target_logits.shape[1], draft_token_ids, num_draft_tokens, metadata)
+    num_drafts, vocab = draft_token_ids.numel(), target_logits.shape[1]
     if draft_probs is not None and tuple(draft_probs.shape) != (num_drafts,):
         raise ValueError(f"draft_probs must be [{num_drafts}], got {tuple(draft_probs.shape)}")
     if draft_dists is not None and tuple(draft_dists.shape) != (num_drafts, vocab):
@@ -83,6 +98,14 @@ def _check_inputs(
             "draft_dists is required with draft_probs: a rejected probabilistic draft is resampled "
             "from max(p - q, 0), which needs the full draft distribution q"
         )
+
+
+def residual_log(
+    p: torch.Tensor,  # [n, m] float32, target probabilities
+    q: torch.Tensor,  # [n, m] float32, draft probabilities
+) -> torch.Tensor:
+    """log max(p − q, 0), ``[n, m]``: logits of the residual distribution norm(max(p − q, 0))."""
+    return (p - q).clamp_(min=0).log_()
 
 
 class RejectionSampler:
@@ -161,9 +184,9 @@ class RejectionSampler:
         if r.numel():
             r_rows, d = rows[r], drafts[r]
             proc = processed_logits(target_logits.index_select(0, r_rows).float(), select_rows(metadata, r_rows))
-            lse = torch.logsumexp(proc, dim=-1)  # [n]
-            n = torch.arange(r.numel(), device=proc.device)
-            p_d = (proc[n, d] - lse).exp()
+            row_max = proc.amax(dim=-1)  # [n]
+            total = masses(proc, row_max).sum(dim=-1)  # [n] int64
+            p_d = probs(proc.gather(-1, d.unsqueeze(-1)), row_max, total).squeeze(-1)  # [n]
             q_r = torch.ones_like(p_d) if q_d is None else q_d[r].float()
             u = uniform(metadata.seeds[r_rows], metadata.positions[r_rows], d.unsqueeze(-1), ACCEPT).squeeze(-1)
             ok = u * q_r < p_d  # probability min(1, p/q)
@@ -171,7 +194,7 @@ class RejectionSampler:
             rej = torch.nonzero(~ok).squeeze(-1)
             if rej.numel():
                 residual = self._residual_logits(
-                    proc[rej], lse[rej], d[rej], None if q is None else q.index_select(0, r[rej]),
+                    proc[rej], row_max[rej], total[rej], d[rej], None if q is None else q.index_select(0, r[rej]),
                 )
                 token_ids = torch.arange(proc.shape[-1], device=proc.device, dtype=torch.int64)
                 rej_rows = r_rows[rej]
@@ -200,7 +223,8 @@ class RejectionSampler:
     @staticmethod
     def _residual_logits(
         proc: torch.Tensor,  # [n, vocab] float32, processed target logits of the rejecting rows
-        lse: torch.Tensor,  # [n] float32, their logsumexp
+        row_max: torch.Tensor,  # [n] float32, their maximum
+        total: torch.Tensor,  # [n] int64, their mass Z (``sample.mass``)
         rejected: torch.Tensor,  # [n] int64, the rejected draft tokens
         draft_dists: torch.Tensor | None,  # [n, vocab] float32 q, or None: q = point mass on ``rejected``
     ) -> torch.Tensor:
@@ -214,8 +238,7 @@ class RejectionSampler:
             residual = proc.clone()
             residual[rows, rejected] = -torch.inf
         else:
-            p = (proc - lse.unsqueeze(-1)).exp_()
-            residual = p.sub_(draft_dists.float()).clamp_(min=0).log_()
+            residual = residual_log(probs(proc, row_max, total), draft_dists.float())
         empty = torch.isneginf(residual.amax(dim=-1))  # [n]
         if bool(empty.any()):
             residual = torch.where(empty.unsqueeze(-1), proc, residual)

@@ -4,7 +4,9 @@ It owns the one place where draft tokens are picked. Greedy drafting with
 ``use_local_argmax_reduction`` asks the draft model for ``get_top_tokens`` (each rank reduces
 its vocab shard; only (value, id) pairs cross the wire, O(2·tp) per row); without the flag it
 all-gathers the full logits and takes the argmax (O(vocab) per row). Probabilistic drafting
-samples from the full draft distribution and keeps it for lossless verification. Subclasses
+samples from the draft distribution q and keeps it for lossless verification: with the flag by
+a sharded Gumbel-max, keeping only this rank's columns of q (O(3·tp) per row, models with
+``compute_logits_shard``), else from the gathered logits. Subclasses
 run their model and call ``sample_draft``; they never sample by themselves.
 """
 
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from tpspec.config import EngineConfig, SpeculativeConfig
-from tpspec.sample.gumbel import DRAFT, gumbel
-from tpspec.sample.sampler import SamplingMetadata, apply_top_k_top_p_min_p
+from tpspec.distributed import comm
+from tpspec.sample.sampler import SamplingMetadata
+from tpspec.spec_decode.draft_sampling import sample_draft_full, sample_draft_shard
 
 DRAFT_SAMPLE_SITE = "draft.sample"
 
@@ -24,8 +27,9 @@ DRAFT_SAMPLE_SITE = "draft.sample"
 @dataclass
 class DraftSample:
     token_ids: torch.Tensor  # [rows] int64
-    # Probabilistic drafting only: the draft distribution q each token was drawn from.
-    dists: torch.Tensor | None = None  # [rows, vocab_size] float32
+    # Probabilistic drafting only: the draft distribution q each token was drawn from, full or,
+    # with use_local_argmax_reduction, this rank's columns (spec_decode.draft_sampling).
+    dists: torch.Tensor | None = None  # [rows, vocab_size] or [rows, shard_size] float32
 
 
 @dataclass
@@ -35,6 +39,11 @@ class DraftInput:
     ``token_ids[i]`` are this step's real tokens of sequence i plus its accepted drafts and the
     new bonus/recovered token, starting at position ``start_pos[i]``; the drafter's KV below
     ``start_pos[i]`` is valid. ``propose[i]`` is False for a partial prefill chunk (feed only).
+
+    ``target_features`` (drafters with ``capture_layers``): the target's hidden states at those
+    layers, concatenated, for each token the target has run and kept, sequence by sequence:
+    ``token_ids[i][:-1]`` for a proposing sequence (its last token is the new bonus/recovered
+    token, which the target has not run yet), all of ``token_ids[i]`` otherwise.
     """
 
     token_ids: list[list[int]]
@@ -42,15 +51,23 @@ class DraftInput:
     block_tables: list[list[int]]
     propose: list[bool]
     sampling: SamplingMetadata | None  # one row per proposing sequence (probabilistic drafting)
+    target_features: torch.Tensor | None = None  # [num_context_tokens, len(capture_layers)·hidden_size]
+
+    def num_context(self, i: int) -> int:
+        """How many of sequence i's tokens have target features."""
+        return len(self.token_ids[i]) - int(self.propose[i])
 
 
 @dataclass
 class DraftOutput:
     drafts: list[list[int]]  # per sequence of the DraftInput ([] where propose is False)
-    dists: list[torch.Tensor | None]  # per sequence: [k, vocab_size] q of each draft, or None
+    dists: list[torch.Tensor | None]  # per sequence: [k, vocab_size] (or [k, shard_size], see DraftSample) q, or None
 
 
 class DraftModelSpeculator:
+    # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads.
+    capture_layers: tuple[int, ...] = ()
+
     def __init__(self, spec_config: SpeculativeConfig, engine_config: EngineConfig, device: torch.device):
         self.spec_config = spec_config
         self.engine_config = engine_config
@@ -75,10 +92,14 @@ class DraftModelSpeculator:
         if not self.use_local_argmax_reduction:
             return
         if self.draft_sample_method == "probabilistic":
-            raise ValueError(
-                "speculative_config.use_local_argmax_reduction=true only applies to greedy draft selection; "
-                "draft_sample_method='probabilistic' needs the full draft distribution"
-            )
+            # Sharded Gumbel-max needs the model's local logits shard; without it, the full q.
+            if not callable(getattr(self.model, "compute_logits_shard", None)):
+                raise ValueError(
+                    "speculative_config.use_local_argmax_reduction=true only applies to greedy draft selection; "
+                    "draft_sample_method='probabilistic' needs the full draft distribution "
+                    f"({type(self.model).__name__} has no compute_logits_shard() for vocab-parallel drafting)"
+                )
+            return
         if not callable(getattr(self.model, "get_top_tokens", None)):
             raise ValueError(
                 f"speculative_config.use_local_argmax_reduction=true needs a draft model with get_top_tokens(); "
@@ -94,23 +115,17 @@ class DraftModelSpeculator:
 
     def sample_draft(self, hidden: torch.Tensor, sampling: SamplingMetadata | None) -> DraftSample:
         """hidden: [rows, hidden_size]; ``sampling``: one row per hidden row (positions = the
-        position each draft token will take). Greedy requests draft greedily either way."""
+        position each draft token will take). Greedy requests draft greedily either way.
+        Probabilistic drafting keeps q: full ``[rows, vocab_size]``, or with
+        ``use_local_argmax_reduction`` this rank's columns ``[rows, shard_size]`` (never gathered)."""
+        comm.count_rows(DRAFT_SAMPLE_SITE, hidden.shape[0])
         if self.draft_sample_method == "greedy":
             return DraftSample(self._greedy_sample_draft(hidden))
-        logits = self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE)  # [rows, vocab_size]
-        temperature = sampling.temperature.clamp(min=1e-2).unsqueeze(-1)  # greedy rows masked below
-        scaled = apply_top_k_top_p_min_p(logits / temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-        dists = torch.softmax(scaled, dim=-1)
-        token_ids = torch.arange(logits.shape[-1], device=logits.device)
-        sampled = (scaled + gumbel(sampling.seeds, sampling.positions, token_ids, DRAFT)).argmax(dim=-1)
-        greedy = sampling.temperature == 0
-        if greedy.any():
-            top = logits.argmax(dim=-1)
-            sampled = torch.where(greedy, top, sampled)
-            one_hot = torch.nn.functional.one_hot(top, logits.shape[-1]).float()
-            dists = torch.where(greedy.unsqueeze(-1), one_hot, dists)
-        return DraftSample(sampled, dists)
+        if self.use_local_argmax_reduction:
+            shard = self.model.compute_logits_shard(hidden)  # [rows, shard_size], no communication
+            return DraftSample(*sample_draft_shard(shard, sampling, DRAFT_SAMPLE_SITE))
+        return DraftSample(*sample_draft_full(self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE), sampling))
 
     # ---- proposing --------------------------------------------------------------------------
-    def propose(self, inp: DraftInput, target_hidden: torch.Tensor | None) -> DraftOutput:
+    def propose(self, inp: DraftInput) -> DraftOutput:
         raise NotImplementedError

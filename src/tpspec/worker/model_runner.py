@@ -1,7 +1,8 @@
 """Runs the model on one rank: builds a step's tensors, runs the forward, samples.
 
-Every rank runs this on the same inputs (SPMD); sampling uses the gathered logits and
-counter-based noise, so every rank computes the same tokens.
+Every rank runs this on the same inputs (SPMD); sampling uses the gathered logits, or with
+``sampling_mode="vocab-parallel"`` each rank's own shard of them, and counter-based noise, so
+every rank computes the same tokens (the same ones in both modes).
 """
 
 from __future__ import annotations
@@ -13,18 +14,29 @@ from dataclasses import replace
 import torch
 
 from tpspec.config import EngineConfig
+from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
-from tpspec.sample.sampler import Sampler, SamplingMetadata
+from tpspec.sample import vocab_parallel
+from tpspec.sample.sampler import Sampler, SamplingMetadata, logprobs_of
+from tpspec.sample.vocab_parallel import LogitsShard, shard_columns
+from tpspec.spec_decode.dflash import DFlashSpeculator
 from tpspec.spec_decode.draft_model import DraftModelProposer
+from tpspec.spec_decode.eagle import Eagle3Proposer
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
+from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
 from tpspec.spec_decode.speculator import DraftInput
 from tpspec.worker.step import SeqStep, StepInput, StepOutput, TokenLogprobs
 
 # Model-based drafters (built on every rank); other methods propose on the driver.
-SPECULATORS = {"draft_model": DraftModelProposer}
+SPECULATORS = {
+    "draft_model": DraftModelProposer,
+    "dflash": DFlashSpeculator,
+    "eagle3": Eagle3Proposer,
+    "eagle": Eagle3Proposer,
+}
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +115,8 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden, _ = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, md)
+        capture = self.speculator.capture_layers if self.speculator is not None else ()
+        hidden, captured = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, md, capture)
 
         # Rows to score: per sampling sequence, each draft position and the bonus position.
         ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
@@ -114,7 +127,12 @@ class ModelRunner:
         num_accepted = [0] * len(seqs)
         if rows:
             site = "sample" if self.rejection_sampler is None else "verify.sample"
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], site)  # [rows, vocab]
+            index = torch.tensor(rows, device=self.device)
+            if self.config.sampling_mode == "vocab-parallel":  # this rank's columns: no O(vocab) gather
+                logits = self.model.compute_logits_shard(hidden[index])  # LogitsShard [rows, shard_size]
+            else:
+                logits = self.model.compute_logits(hidden[index], site)  # [rows, vocab]
+            comm.count_rows(site, len(rows))
             row_seq = [i for i in sampling for _ in range(seqs[i].num_spec + 1)]
             meta = SamplingMetadata.from_params(
                 [seqs[i].params for i in row_seq],
@@ -125,19 +143,26 @@ class ModelRunner:
             )
             if self.rejection_sampler is None:
                 # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.
-                tokens = self.sampler(logits, replace(meta, max_num_logprobs=None)).sampled_token_ids.tolist()
+                if isinstance(logits, LogitsShard):
+                    tokens = vocab_parallel.sample(logits, meta, site).tolist()
+                else:
+                    tokens = self.sampler(logits, replace(meta, max_num_logprobs=None)).sampled_token_ids.tolist()
                 for j, i in enumerate(sampling):
                     sampled[i] = [tokens[j]]
             else:
-                out = self._verify(seqs, sampling, logits, meta)
+                out = self._verify(seqs, sampling, logits, meta, site)
                 for j, i in enumerate(sampling):
                     sampled[i], num_accepted[i] = out.output_token_ids[j], out.num_accepted[j]
-            self._logprobs(seqs, sampling, logits, sampled, logprobs)
-        drafts = self._propose(seqs, sampled) if self.speculator is not None else []
+            self._logprobs(seqs, sampling, logits, sampled, logprobs, site)
+        drafts = self._propose(seqs, sampled, query_lens, captured) if self.speculator is not None else []
         return StepOutput(sampled, logprobs, num_accepted, drafts)
 
-    def _verify(self, seqs: list[SeqStep], sampling: list[int], logits: torch.Tensor, meta: SamplingMetadata):
-        """Rejection-sample the drafts of every sampling sequence (k = 0: plain sampling)."""
+    def _verify(
+        self, seqs: list[SeqStep], sampling: list[int], logits: torch.Tensor | LogitsShard, meta: SamplingMetadata,
+        site: str,
+    ):
+        """Rejection-sample the drafts of every sampling sequence (k = 0: plain sampling), from the
+        gathered logits ``[rows, vocab]`` or (vocab-parallel) this rank's ``LogitsShard`` of them."""
         draft_ids, num_drafts, dists = [], [], []
         for i in sampling:
             s = seqs[i]
@@ -150,44 +175,81 @@ class ModelRunner:
             # which verifies no drafts.
             dists.append(q[: s.num_spec] if q is not None and q.shape[0] >= s.num_spec else None)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
+        sharded = isinstance(logits, LogitsShard)
         draft_dists = None
         if any(q is not None for q in dists) and draft_ids:
-            vocab = logits.shape[-1]
-            point = torch.nn.functional.one_hot(draft_tensor, vocab).float()  # greedy drafts: point masses
-            parts, off = [], 0
+            # q as the drafter kept it: full width ([k, vocab], or [k, padded vocab] from a replicated
+            # draft), or this rank's columns (use_local_argmax_reduction); made what the verifier reads.
+            spec = self.config.speculative
+            full_width = not spec.use_local_argmax_reduction or (
+                spec.draft_tensor_parallel_size == 1 and self.config.parallel.tensor_parallel_size > 1
+            )
+            kept = torch.cat([q for q in dists if q is not None])  # [m, width]
+            if sharded:
+                kept = shard_columns(kept, logits.vocab_start, logits.shard_size, 0.0) if full_width else kept
+                point = (logits.token_ids() == draft_tensor.unsqueeze(-1)).float()  # greedy drafts: point masses
+            else:
+                vocab = logits.shape[-1]
+                kept = (kept if full_width else comm.all_gather(kept, site, dim=-1))[:, :vocab]
+                point = torch.nn.functional.one_hot(draft_tensor, vocab).float()
+            parts, off, used = [], 0, 0
             for q, n in zip(dists, num_drafts):
-                parts.append(q if q is not None else point[off : off + n])
+                parts.append(kept[used : used + n] if q is not None else point[off : off + n])
+                used += n if q is not None else 0
                 off += n
             draft_dists = torch.cat(parts)
+        if sharded:
+            return VocabParallelRejectionSampler()(logits, draft_tensor, num_drafts, meta, site, draft_dists)
         probs = None if draft_dists is None else draft_dists.gather(-1, draft_tensor.unsqueeze(-1)).squeeze(-1)
         return self.rejection_sampler(logits, draft_tensor, num_drafts, meta, draft_probs=probs, draft_dists=draft_dists)
 
-    def _logprobs(self, seqs, sampling, logits, sampled, logprobs) -> None:
-        """Log-probabilities (of the raw target distribution) of each emitted token, if asked for."""
+    def _logprobs(self, seqs, sampling, logits, sampled, logprobs, site: str) -> None:
+        """Log-probabilities (of the raw target distribution) of each emitted token and the
+        request's top n, if asked for: from the gathered logits, or (vocab-parallel) one
+        exchange of per-shard statistics (``vocab_parallel.logprobs_of``)."""
         wanted = [j for j, i in enumerate(sampling) if seqs[i].params.logprobs is not None]
         if not wanted:
             return
-        lp = torch.log_softmax(logits, dim=-1)
         offsets = [0]
         for i in sampling:
             offsets.append(offsets[-1] + seqs[i].num_spec + 1)
+        rows = [offsets[j] + t for j in wanted for t in range(len(sampled[sampling[j]]))]
+        tokens = torch.tensor([t for j in wanted for t in sampled[sampling[j]]], dtype=torch.int64, device=self.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        n = max(seqs[sampling[j]].params.logprobs for j in wanted)
+        if isinstance(logits, LogitsShard):
+            out = vocab_parallel.logprobs_of(logits.select(index), tokens, n, site)
+        else:
+            out = logprobs_of(logits.index_select(0, index), tokens, n)
+        token_lp, top_lp, top_ids = out.token_logprob.tolist(), out.topk_logprobs.tolist(), out.topk_token_ids.tolist()
+        r = 0
         for j in wanted:
             i = sampling[j]
-            n = seqs[i].params.logprobs
+            n_i = seqs[i].params.logprobs  # the first n_i of the top n are the top n_i
             entries = []
-            for t, token in enumerate(sampled[i]):
-                row = lp[offsets[j] + t]
-                top_val, top_id = torch.topk(row, n) if n else (row[:0], row[:0].long())
-                entries.append(TokenLogprobs(row[token].item(), list(zip(top_id.tolist(), top_val.tolist()))))
+            for _ in sampled[i]:
+                entries.append(TokenLogprobs(token_lp[r], list(zip(top_ids[r][:n_i], top_lp[r][:n_i]))))
+                r += 1
             logprobs[i] = entries
 
-    def _propose(self, seqs: list[SeqStep], sampled: list[list[int]]) -> list[list[int]]:
-        """Feed the drafter this step's verified tokens and let it propose the next drafts."""
-        token_ids, propose = [], []
-        for s, emitted in zip(seqs, sampled):
+    def _propose(
+        self, seqs: list[SeqStep], sampled: list[list[int]], query_lens: list[int], captured: dict[int, torch.Tensor]
+    ) -> list[list[int]]:
+        """Feed the drafter this step's verified tokens (and, if it reads them, the target's
+        hidden states of those tokens) and let it propose the next drafts."""
+        token_ids, propose, context_rows = [], [], []
+        offset = 0
+        for s, emitted, n in zip(seqs, sampled, query_lens):
             real = s.token_ids[: len(s.token_ids) - s.num_spec]
             token_ids.append(real + emitted)  # emitted = accepted drafts + bonus/recovered token
             propose.append(bool(emitted))
+            # The target ran every kept token but the last emitted one (the bonus/recovered token).
+            context_rows.extend(range(offset, offset + len(token_ids[-1]) - int(bool(emitted))))
+            offset += n
+        features = None
+        if self.speculator.capture_layers:
+            rows = torch.tensor(context_rows, dtype=torch.int64, device=self.device)
+            features = torch.cat([captured[layer] for layer in self.speculator.capture_layers], dim=-1)[rows]
         proposing = [i for i, p in enumerate(propose) if p]
         sampling = None
         if proposing and self.speculator.draft_sample_method == "probabilistic":
@@ -196,8 +258,7 @@ class ModelRunner:
                 [0] * len(proposing), device=self.device,
             )
         out = self.speculator.propose(
-            DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs], propose, sampling),
-            None,
+            DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs], propose, sampling, features)
         )
         for s, q in zip(seqs, out.dists):
             if q is not None:

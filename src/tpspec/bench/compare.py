@@ -1,0 +1,220 @@
+"""``tpspec bench compare``: ``use_local_argmax_reduction`` off vs on, end to end on one machine.
+
+For each configuration in turn (baseline = the speculative config as given; local_argmax = the
+same plus ``"use_local_argmax_reduction": true``) a ``tpspec serve`` subprocess is started on a free
+loopback port, warmed up, loaded with the same workload at each concurrency level (``bench.serve``),
+and stopped (SIGTERM, then SIGKILL to its whole process group after a grace period: no orphaned
+TP workers). The runs go to a JSON file and a PNG chart; the CLI prints the comparison table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from tpspec.bench.report import plot_comparison, write_json
+from tpspec.bench.serve import Target, Workload, benchmark
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPECULATIVE_CONFIG = {"method": "dflash", "num_speculative_tokens": 15}
+FLAG = "use_local_argmax_reduction"
+BASELINE = "baseline"
+FLAGGED = "local_argmax"
+LOG_TAIL_LINES = 40
+_READY = re.compile(r"server ready: (http://[0-9.]+:\d+)")
+
+
+class ServerStartError(RuntimeError):
+    """``tpspec serve`` died or did not become healthy in time (the message has its log tail)."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Engine flags passed through to ``tpspec serve`` (None: the server's default)."""
+
+    model: str | None = None  # None: the embedded default model
+    tensor_parallel_size: int = 2
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_memory_gb: float | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+
+    def argv(self, speculative_config: dict[str, Any]) -> list[str]:
+        args = ["--tensor-parallel-size", str(self.tensor_parallel_size), "--dtype", self.dtype,
+                "--device", self.device, "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
+                "--speculative-config", json.dumps(speculative_config)]
+        for flag, value in (("--model", self.model), ("--max-model-len", self.max_model_len),
+                            ("--kv-cache-memory-gb", self.kv_cache_memory_gb), ("--num-kv-blocks", self.num_kv_blocks)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+
+def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ServerProcess:
+    """``python -m tpspec serve`` in its own session (process group), listening on a free loopback
+    port (``--port 0``; the port is read from its 'server ready' log line), logging to ``log_path``."""
+
+    def __init__(self, serve_argv: list[str], log_path: str) -> None:
+        self.serve_argv = serve_argv
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._log = None
+
+    def _exited(self) -> bool:
+        """Whether the server exited, without reaping it: while it is an unreaped zombie its process
+        group id cannot be reused, so killing the group can only hit what it left behind."""
+        return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def start(self, timeout_s: float) -> str:
+        """Start the server and wait until ``/health`` answers 200; its base URL."""
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        cmd = [sys.executable, "-m", "tpspec", "--log-level", "INFO", "serve", *self.serve_argv,
+               "--host", "127.0.0.1", "--port", "0", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        logger.info("starting %s (log: %s)", " ".join(cmd[1:]), self.log_path)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._exited():
+                self.stop()
+                raise ServerStartError(f"tpspec serve exited with status {self.proc.returncode} before it was ready; "
+                                       f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
+            if self.url is None:
+                with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                    m = _READY.search(f.read())
+                self.url = m.group(1) if m else None
+            if self.url is not None and self._healthy():
+                return self.url
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(f"tpspec serve was not healthy after {timeout_s:g} s (raise --server-timeout "
+                                       f"if it is just slow); last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
+            time.sleep(0.2)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM, up to ``grace_s`` for a clean exit, then SIGKILL to whatever is left of the
+        server's process group; reaps the server. Its exit status (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            if not self._exited():
+                os.kill(self.proc.pid, signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
+                while not self._exited() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not self._exited():
+                    logger.warning("tpspec serve did not stop within %g s of SIGTERM; killing it", grace_s)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _default_spec() -> dict[str, Any]:
+    return dict(DEFAULT_SPECULATIVE_CONFIG)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    server: ServerOptions = ServerOptions()
+    workload: Workload = Workload(num_prompts=64, num_warmups=2)  # max_concurrency is set per level
+    concurrencies: tuple[int, ...] = (32,)
+    speculative_config: dict[str, Any] = field(default_factory=_default_spec)
+    result_file: str = "bench_compare.json"
+    plot_file: str | None = None  # None: result_file with a .png suffix
+    server_timeout_s: float = 900.0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if not isinstance(spec, dict) or "method" not in spec:
+            raise ValueError(f"speculative_config must be a JSON object with a 'method', got {spec!r}")
+        if spec.get(FLAG):
+            raise ValueError(f"speculative_config.{FLAG} must be false or absent in the baseline (the comparison "
+                             f"turns it on itself), got {spec[FLAG]!r}")
+        object.__setattr__(self, "speculative_config", dict(spec))
+        if not self.concurrencies or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrencies):
+            raise ValueError(f"concurrencies must be one or more integers >= 1, got {self.concurrencies!r}")
+        if len(set(self.concurrencies)) != len(self.concurrencies):
+            raise ValueError(f"concurrencies must not repeat, got {self.concurrencies!r}")
+        object.__setattr__(self, "concurrencies", tuple(self.concurrencies))
+        if not self.server_timeout_s > 0:
+            raise ValueError(f"server_timeout_s must be > 0, got {self.server_timeout_s!r}")
+        if self.plot_file is None:
+            object.__setattr__(self, "plot_file", os.path.splitext(self.result_file)[0] + ".png")
+
+    def configs(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(BASELINE, dict(self.speculative_config)), (FLAGGED, {**self.speculative_config, FLAG: True})]
+
+
+def run_compare(cfg: CompareConfig) -> dict[str, Any]:
+    """Run every configuration at every concurrency level; write the JSON and the PNG; return the
+    JSON's content (``runs``: one ``bench serve`` result per (config, concurrency), with ``config``)."""
+    runs: list[dict[str, Any]] = []
+    stem = os.path.splitext(cfg.result_file)[0]
+    for name, spec in cfg.configs():
+        with ServerProcess(cfg.server.argv(spec), f"{stem}.{name}.server.log") as server:
+            url = server.start(cfg.server_timeout_s)
+            for i, concurrency in enumerate(cfg.concurrencies):
+                w = dataclasses.replace(cfg.workload, max_concurrency=concurrency,
+                                        num_warmups=cfg.workload.num_warmups if i == 0 else 0)
+                logger.info("config %s, max concurrency %d", name, concurrency)
+                result = benchmark(Target(url), w, cfg.show_progress)
+                runs.append({"config": name, "speculative_config": spec, **result})
+    out = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "server": dataclasses.asdict(cfg.server),
+        "speculative_config": cfg.speculative_config,
+        "concurrencies": list(cfg.concurrencies),
+        "baseline": BASELINE,
+        "runs": runs,
+    }
+    write_json(cfg.result_file, out)
+    plot_comparison(runs, cfg.plot_file, title=f"{FLAG}: off ({BASELINE}) vs on ({FLAGGED}), "
+                                                f"TP {cfg.server.tensor_parallel_size}")
+    logger.info("wrote %s and %s", cfg.result_file, cfg.plot_file)
+    return out

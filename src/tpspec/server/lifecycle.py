@@ -1,0 +1,109 @@
+"""Running the app under uvicorn: a graceful drain on SIGTERM, and a stop when the engine dies.
+
+On SIGTERM (or a first Ctrl-C) the listening socket closes at once, idle connections close, a
+request still arriving on an open connection gets 503 ``server_shutting_down`` with Retry-After,
+and the requests in flight get ``grace_s`` seconds to finish; those left then end with a 503 (an
+error event on a stream) and are aborted, which frees their KV blocks. The engine and its TP
+workers are shut down after the last response, and ``tpspec serve`` exits with status 0.
+
+When the engine dies (a TP worker killed, a failed step), every request in flight has already
+been answered with 503 ``engine_dead``; the server then stops the same way, the surviving workers
+are killed and reaped, and ``tpspec serve`` exits with status 1 (``EXIT_ENGINE_DEAD``), for a
+supervisor to restart it. It never waits on a dead engine and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+
+import uvicorn
+
+from tpspec.engine.async_engine import AsyncEngine
+from tpspec.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+EXIT_ENGINE_DEAD = 1
+# uvicorn's own backstop, past the grace period: tasks still running then are cancelled.
+_UVICORN_EXTRA_S = 5.0
+
+
+def check_grace_period(grace_s: float) -> None:
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s < float("inf"):
+        raise ValueError(f"grace_s (--shutdown-grace-period) must be a number of seconds >= 0, got {grace_s!r}")
+
+
+class GracefulServer(uvicorn.Server):
+    """``uvicorn.Server`` over an app from ``build_app``, draining as described above."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+        check_grace_period(grace_s)
+        config.timeout_graceful_shutdown = int(grace_s + _UVICORN_EXTRA_S)
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = float(grace_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_ENGINE_DEAD if self.engine.dead_error is not None else 0
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._watch_engine, name="tpspec-engine-watch", daemon=True).start()
+        await super().serve(sockets)
+
+    def _watch_engine(self) -> None:
+        self.engine.join()
+        if self.engine.dead_error is not None and not self.should_exit:
+            logger.error("the engine died (%s): stopping the server", self.engine.dead_error)
+            self.should_exit = True  # uvicorn's main loop polls it
+
+    def handle_exit(self, sig: int, frame) -> None:
+        draining = self.should_exit
+        super().handle_exit(sig, frame)
+        if not draining and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain, sig)
+
+    def _drain(self, sig: int) -> None:
+        self.config.app.state.server.draining = True
+        logger.info("%s: accepting no new requests; %d in flight get %.3g s to finish",
+                    signal.Signals(sig).name, self.engine.num_requests, self.grace_s)
+        self._loop.call_later(self.grace_s, self._abort_the_rest)
+
+    def _abort_the_rest(self) -> None:
+        n = self.engine.abort_all(APIError("The server is shutting down.", 503, code="server_shutting_down"))
+        if n:
+            logger.warning("shutdown grace period over: aborted %d request(s) still in flight", n)
+
+
+def bind(config: uvicorn.Config):
+    """The listening socket, with TCP_NODELAY, which the connections it accepts inherit. asyncio
+    sets it only on sockets created with proto=IPPROTO_TCP, and uvicorn's are not: without it, a
+    response written in two pieces (headers, then body) or an SSE event waits for the client's
+    delayed ACK, about 40 ms on every request of a kept-alive connection."""
+    sock = config.bind_socket()
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def serve(engine: AsyncEngine, config: uvicorn.Config, grace_s: float, description: str) -> int:
+    """Bind, serve ``config.app`` until SIGTERM/SIGINT or engine death, return the exit status. The
+    caller shuts the engine down afterwards."""
+    server = GracefulServer(config, engine, grace_s)
+    sock = bind(config)
+    host, port = sock.getsockname()[:2]
+    logger.info("tpspec server ready: http://%s:%d (%s)", host, port, description)
+    # uvicorn re-raises the signal it stopped on to the handler it found: make SIGTERM's a no-op so
+    # the caller still shuts the engine down and the exit status is ours.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return server.exit_code

@@ -1,0 +1,137 @@
+"""``method: dflash``: a parallel block drafter fed with the target's hidden states.
+
+Per step, for every continuing sequence, the target features of the tokens it just kept are
+turned into context K/V in the drafter's paged KV cache (same block tables as the target, so the
+invariant "draft KV valid below the target's computed tokens" holds by construction). Each
+proposing sequence then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the
+scheduler reserves these k + 1 slots); outputs 1 … k are the k drafts, picked for all B·k rows
+at once by the base class, which is where ``use_local_argmax_reduction`` pays most.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from tpspec.distributed.parallel_state import get_tp_rank, single_rank
+from tpspec.layers.attention import AttentionMetadata
+from tpspec.models.dflash import DFlashConfig, DFlashDraftModel
+from tpspec.models.loader.safetensors import iterate_weights
+from tpspec.sample.sampler import SamplingMetadata
+from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+
+# The drafter trained for the default model (``tpspec train-draft``), used when ``model`` is omitted.
+SHIPPED_DFLASH_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-dflash")
+
+
+def slots_of(positions: list[int], block_table: list[int], block_size: int) -> list[int]:
+    """KV cache slot of each position of one sequence."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+class DFlashSpeculator(DraftModelSpeculator):
+    def __init__(self, spec_config, engine_config, device):
+        super().__init__(spec_config, engine_config, device)
+        self.dflash_config = DFlashConfig.from_folder(spec_config.model)
+        self.capture_layers = self.dflash_config.target_layer_ids
+
+    def _tp_context(self):
+        """With draft_tensor_parallel_size=1 the draft layers are replicated (built and run as TP 1);
+        the borrowed embedding and LM head stay vocab-parallel either way."""
+        replicated = self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
+        return single_rank() if replicated else contextlib.nullcontext()
+
+    def _build_model(self, target_model: torch.nn.Module) -> torch.nn.Module:
+        cfg = self.dflash_config
+        with self._tp_context():
+            with torch.device(self.device):
+                model = DFlashDraftModel(cfg, target_model, target_model.dtype)
+            loaded = model.load_weights(iterate_weights(self.spec_config.model, show_progress=get_tp_rank() == 0))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"DFlash checkpoint {self.spec_config.model!r} lacks weights: {sorted(missing)[:5]}")
+        model.eval()
+        kv_heads, head_dim = model.kv_cache_shape
+        self.kv_caches = [
+            (
+                torch.zeros(self.num_kv_slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
+                torch.zeros(self.num_kv_slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
+            )
+            for _ in range(cfg.arch.num_hidden_layers)
+        ]
+        return model
+
+    @torch.inference_mode()
+    def propose(self, inp: DraftInput) -> DraftOutput:
+        bs = self.engine_config.cache.block_size
+        drafts: list[list[int]] = [[] for _ in inp.token_ids]
+        dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
+        # 1. Context K/V of every kept token.
+        ctx_pos, ctx_slots = [], []
+        for i in range(len(inp.token_ids)):
+            pos = list(range(inp.start_pos[i], inp.start_pos[i] + inp.num_context(i)))
+            ctx_pos += pos
+            ctx_slots += slots_of(pos, inp.block_tables[i], bs)
+        with self._tp_context():
+            if ctx_pos:
+                self.model.write_context(
+                    inp.target_features,
+                    torch.tensor(ctx_pos, dtype=torch.int64, device=self.device),
+                    torch.tensor(ctx_slots, dtype=torch.int64, device=self.device),
+                    self.kv_caches,
+                )
+        # 2. One block per proposing sequence: [bonus, MASK × (L − 1)] at positions P … P + L − 1,
+        # L = k + 1 unless max_model_len cuts it (a draft there could never be verified).
+        max_len = self.engine_config.scheduler.max_model_len
+        rows, starts, lens = [], [], []
+        for i, p in enumerate(inp.propose):
+            start = inp.start_pos[i] + inp.num_context(i)
+            length = min(self.num_speculative_tokens + 1, max_len - start)
+            if p and length >= 2:
+                rows.append(i)
+                starts.append(start)
+                lens.append(length)
+        if not rows:
+            return DraftOutput(drafts, dists)
+        mask = self.dflash_config.mask_token_id
+        block_ids = [t for i, n in zip(rows, lens) for t in [inp.token_ids[i][-1]] + [mask] * (n - 1)]
+        positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
+        tables = [inp.block_tables[i] for i in rows]
+        md = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables, bs, self.device, non_causal_tail=lens)
+        embeds = self.model.target.embed_tokens(torch.tensor(block_ids, dtype=torch.int64, device=self.device))
+        with self._tp_context():
+            hidden = self.model(embeds, torch.tensor(positions, dtype=torch.int64, device=self.device), self.kv_caches, md)
+        # 3. Outputs 1 … L − 1 of each block are its drafts: all rows sampled at once.
+        offsets = torch.cumsum(torch.tensor([0] + lens[:-1]), 0).tolist()
+        draft_rows = [o + j for o, n in zip(offsets, lens) for j in range(1, n)]
+        sampling = None
+        if inp.sampling is not None:
+            which = [r for r, n in enumerate(lens) for _ in range(n - 1)]  # proposing row of each draft row
+            proposing = {i: r for r, i in enumerate(i for i, p in enumerate(inp.propose) if p)}
+            meta_rows = torch.tensor([proposing[rows[r]] for r in which], dtype=torch.int64, device=self.device)
+            sampling = _rows_at(inp.sampling, meta_rows, [s + j for s, n in zip(starts, lens) for j in range(1, n)])
+        sample = self.sample_draft(hidden[torch.tensor(draft_rows, device=self.device)], sampling)
+        tokens = sample.token_ids.tolist()
+        o = 0
+        for i, n in zip(rows, lens):
+            drafts[i] = tokens[o : o + n - 1]
+            if sample.dists is not None:
+                dists[i] = sample.dists[o : o + n - 1]  # [n − 1, vocab_size]
+            o += n - 1
+        return DraftOutput(drafts, dists)
+
+
+def _rows_at(sampling: SamplingMetadata, rows: torch.Tensor, positions: list[int]) -> SamplingMetadata:
+    """Rows ``rows`` of ``sampling`` (repeats allowed), drawing at ``positions``."""
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, rows)
+
+    return SamplingMetadata(
+        temperature=pick(sampling.temperature), top_k=pick(sampling.top_k), top_p=pick(sampling.top_p),
+        min_p=pick(sampling.min_p), seeds=pick(sampling.seeds),
+        positions=torch.tensor(positions, dtype=torch.int64, device=rows.device),
+        max_num_logprobs=None, all_greedy=sampling.all_greedy, all_random=sampling.all_random,
+        no_top_k_top_p_min_p=sampling.no_top_k_top_p_min_p,
+    )

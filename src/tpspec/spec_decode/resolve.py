@@ -1,0 +1,49 @@
+"""Resolve a speculative config's draft checkpoint and check it against the target, before any
+worker starts (a bad drafter fails fast, in the caller's process, with a ValueError)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from tpspec.config import ModelArchConfig, SpeculativeConfig
+from tpspec.models.dflash import DFlashConfig
+from tpspec.models.loader.resolve import resolve_model
+from tpspec.models.registry import get_model_class
+
+
+def _is_default_model(folder: str) -> bool:
+    try:
+        default = resolve_model(None)
+    except FileNotFoundError:
+        return False
+    return os.path.realpath(default) == os.path.realpath(folder)
+
+
+def resolve_drafter(
+    spec: SpeculativeConfig, target_folder: str, target: ModelArchConfig
+) -> tuple[SpeculativeConfig, ModelArchConfig | None]:
+    """Returns the config with ``model`` resolved to a folder, and the draft's shape (None for ngram)."""
+    if spec.method == "ngram":
+        return spec, None
+    if spec.model is None:  # only dflash may omit it (SpeculativeConfig checks)
+        from tpspec.spec_decode.dflash import SHIPPED_DFLASH_DRAFTER
+
+        if not _is_default_model(target_folder):
+            raise ValueError(
+                "speculative_config.model is required for method 'dflash' unless the target is the default "
+                "model (tpspec ships a DFlash drafter only for SmolLM2-135M-Instruct)"
+            )
+        if not os.path.isfile(os.path.join(SHIPPED_DFLASH_DRAFTER, "model.safetensors")):
+            raise FileNotFoundError(f"the shipped DFlash drafter is missing from {SHIPPED_DFLASH_DRAFTER}")
+        spec = dataclasses.replace(spec, model=SHIPPED_DFLASH_DRAFTER)
+    else:
+        spec = dataclasses.replace(spec, model=resolve_model(spec.model))
+    if spec.method == "dflash":
+        dflash = DFlashConfig.from_folder(spec.model)
+        dflash.validate(target, spec.num_speculative_tokens)
+        return spec, dflash.arch
+    draft_arch = ModelArchConfig.from_folder(spec.model)
+    if spec.method == "draft_model":
+        get_model_class(draft_arch.architecture)
+    return spec, draft_arch

@@ -1,0 +1,48 @@
+"""The target's hidden states and next-token predictions over whole sequences, computed with the
+serving model itself (TP 1, a scratch paged KV cache), so that a drafter trains on exactly the
+features the engine captures."""
+
+from __future__ import annotations
+
+import torch
+
+from tpspec.config import ModelArchConfig
+from tpspec.layers.attention import AttentionMetadata
+from tpspec.models.loader.safetensors import iterate_weights
+from tpspec.models.registry import get_model_class
+
+BLOCK = 16
+
+
+class TargetFeatureExtractor:
+    def __init__(self, model_folder: str, target_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float32):
+        self.arch = ModelArchConfig.from_folder(model_folder)
+        self.model = get_model_class(self.arch.architecture)(self.arch, dtype)
+        self.model.load_weights(iterate_weights(model_folder))
+        self.model.eval()
+        self.layers = tuple(target_layer_ids)
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns features [N, n·H] (outputs of ``target_layer_ids``, concatenated), final-norm
+        hidden states [N, H] and the argmax prediction of the next token [N], N = all tokens."""
+        lens = [len(s) for s in seqs]
+        tables, next_block = [], 0
+        for n in lens:
+            blocks = (n + BLOCK - 1) // BLOCK
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
+        kv_heads, head_dim = self.model.kv_cache_shape
+        slots = next_block * BLOCK
+        kv = [
+            (torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype), torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype))
+            for _ in range(self.arch.num_hidden_layers)
+        ]
+        md = AttentionMetadata.build(lens, lens, tables, BLOCK, torch.device("cpu"))
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        hidden, captured = self.model(ids, pos, kv, md, self.layers)
+        features = torch.cat([captured[layer] for layer in self.layers], dim=-1)
+        preds = torch.cat([self.model.compute_logits(h).argmax(-1) for h in hidden.split(1024)])
+        return features, hidden, preds
