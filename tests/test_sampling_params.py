@@ -58,6 +58,7 @@ def test_any_int_seed_is_accepted():
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # would overflow the int64 tensor and kill the engine step
         ({"top_k": 2.0}, "top_k"),
         ({"top_k": False}, "top_k"),
         ({"top_k": "5"}, "top_k"),

@@ -50,9 +50,11 @@ def _spec(method: str, draft: str) -> dict | None:
         return None
     if method == "ngram":
         return dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
-    sample = "probabilistic" if method == "draft-probabilistic" else "greedy"
-    return dict(method="draft_model", model=draft, num_speculative_tokens=3, use_local_argmax_reduction=True,
-                draft_sample_method=sample)
+    spec = dict(method="draft_model", model=draft, num_speculative_tokens=3, use_local_argmax_reduction=True,
+                draft_sample_method="greedy" if method == "draft-greedy" else "probabilistic")
+    if method == "draft-probabilistic-replicated":  # q over the whole vocabulary on every rank
+        spec["draft_tensor_parallel_size"] = 1
+    return spec
 
 
 _RUNS: dict = {}
@@ -72,22 +74,25 @@ def _run(target: str, draft: str, method: str, tp: int, mode: str) -> dict:
     return _RUNS[key]
 
 
-CASES = [
-    ("plain", (1, 2, 4)),
-    ("ngram", (1, 2)),
-    ("draft-greedy", (1, 2)),
-    ("draft-probabilistic", (1, 2, 4)),
+VP = "vocab-parallel"
+CASES = [  # (method, the runs that must equal the gathered TP 1 run)
+    ("plain", [(1, VP), (2, VP), (4, VP)]),
+    ("ngram", [(1, VP), (2, VP)]),
+    ("draft-greedy", [(1, VP), (2, VP)]),
+    # Gathered at TP 2: the sharded q is all-gathered for the gathered verifier.
+    ("draft-probabilistic", [(1, VP), (2, VP), (4, VP), (2, "gathered")]),
+    ("draft-probabilistic-replicated", [(2, VP)]),
 ]
 
 
-@pytest.mark.parametrize("method,tps", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("method,runs", CASES, ids=[c[0] for c in CASES])
 def test_vocab_parallel_tokens_are_the_same_at_every_tp_size_and_equal_the_gathered_path(
-    method, tps, tiny_llama, perturbed
+    method, runs, tiny_llama, perturbed
 ):
-    ref = _run(tiny_llama, perturbed, method, 1, "gathered")
+    ref = _run(tiny_llama, perturbed, method.removesuffix("-replicated"), 1, "gathered")
     assert all(len(t) == TOKENS for t in ref["tokens"])
-    for tp in tps:
-        got = _run(tiny_llama, perturbed, method, tp, "vocab-parallel")
+    for tp, mode in runs:
+        got = _run(tiny_llama, perturbed, method, tp, mode)
         assert got["tokens"] == ref["tokens"], (method, tp)
         for mine, theirs in zip(got["logprobs"], ref["logprobs"]):
             assert (mine is None) == (theirs is None)
@@ -97,7 +102,11 @@ def test_vocab_parallel_tokens_are_the_same_at_every_tp_size_and_equal_the_gathe
         stats = got["stats"]
         sites = {"plain": ["sample"], "ngram": ["verify.sample"]}.get(method, ["draft.sample", "verify.sample"])
         assert sorted(stats["comm_bytes_per_row"]) == sorted(sites)
-        assert all((v > 0) == (tp > 1) for v in stats["comm_bytes_per_row"].values())
+        if method.endswith("replicated"):  # the replicated draft samples without communication
+            assert stats["comm_bytes_per_row"]["draft.sample"] == 0
+            assert stats["comm_bytes_per_row"]["verify.sample"] > 0
+        else:
+            assert all((v > 0) == (tp > 1) for v in stats["comm_bytes_per_row"].values())
         assert "logits.all_gather" not in stats["comm"]
         if method.startswith("draft"):
             assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # rejections happened

@@ -35,6 +35,7 @@ from tpspec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 class EngineOverloadedError(RuntimeError):
     """The engine holds as many requests as it may queue; retry later."""
 

@@ -153,6 +153,10 @@ class DFlashDraftModel(nn.Module):
         """hidden: [rows, hidden_size] -> [rows, vocab_size] float32, through the target's LM head."""
         return self.target.compute_logits(hidden, site)
 
+    def compute_logits_shard(self, hidden: torch.Tensor):
+        """hidden: [rows, hidden_size] -> this rank's columns of the target's logits (vocab-parallel sampling)."""
+        return self.target.compute_logits_shard(hidden)
+
     def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
         """hidden: [rows, hidden_size] -> [rows] int64, the target's vocab-parallel argmax."""
         return self.target.get_top_tokens(hidden, site)

@@ -13,8 +13,9 @@ it from here, so the gathered and the vocab-parallel paths decide bit for bit al
 size. (Elementwise ``exp`` is layout-independent on one device type, as ``gumbel.gumbel`` assumes.)
 
 Precision: m(x) is exp(x − M) to within 2^-39 (weights below that count as 0), so ``Z / 2^38`` is
-the softmax normalizer to within vocab · 2^-39 relative (< 2e-7 for 2^17 tokens; Z ≥ 2^38 since
-the maximum weighs exactly 2^38). Headroom: Z ≤ vocab · 2^38 < 2^63 for any vocab below 2^24.
+the softmax normalizer to within n · 2^-39 relative for n tokens (2.4e-7 at 2^17 tokens, float32
+rounding's order; Z ≥ 2^38 since the maximum weighs exactly 2^38). Headroom: Z ≤ n · 2^38 < 2^63
+for any vocabulary below 2^24 (the vocab-parallel paths' limit anyway).
 """
 
 from __future__ import annotations

@@ -85,10 +85,14 @@ def shard_columns(
 
 
 # ---- packing: one all-gather of [rows, columns] float32 --------------------------------------------
+def gather_packed(packed: torch.Tensor, site: str) -> torch.Tensor:
+    """Every rank's ``[rows, c]`` float32 pack, in one all-gather: ``[tp, rows, c]``."""
+    return comm.all_gather(packed, site, dim=0).view(-1, *packed.shape)
+
+
 def gather_columns(columns: list[torch.Tensor], site: str) -> torch.Tensor:
     """Every rank's ``[rows]`` float32 columns, in one all-gather: ``[tp, rows, len(columns)]``."""
-    packed = torch.stack(columns, dim=-1)  # [rows, c]
-    return comm.all_gather(packed, site, dim=0).view(-1, *packed.shape)
+    return gather_packed(torch.stack(columns, dim=-1), site)
 
 
 def local_best(

@@ -124,7 +124,7 @@ class _SamplingFields(_Base):
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        # The engine packs these into int64 tensors: a larger value would fail the engine step.
+        # The sampler packs top_k into an int64 tensor: a larger value would fail the engine step.
         if self.top_k is not None and not -1 <= self.top_k <= _INT64_MAX:
             raise APIError(f"top_k must be -1, 0 or in [1, {_INT64_MAX}], got {self.top_k}", param="top_k")
 

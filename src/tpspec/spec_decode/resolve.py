@@ -8,6 +8,7 @@ import os
 
 from tpspec.config import ModelArchConfig, SpeculativeConfig
 from tpspec.models.dflash import DFlashConfig
+from tpspec.models.eagle3 import Eagle3Config
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.models.registry import get_model_class
 
@@ -43,6 +44,12 @@ def resolve_drafter(
         dflash = DFlashConfig.from_folder(spec.model)
         dflash.validate(target, spec.num_speculative_tokens)
         return spec, dflash.arch
+    if spec.method in ("eagle3", "eagle"):
+        from tpspec.spec_decode.eagle import ships_embedding
+
+        eagle = Eagle3Config.from_folder(spec.model)
+        eagle.validate(target, ships_embedding(spec.model))
+        return spec, eagle.arch
     draft_arch = ModelArchConfig.from_folder(spec.model)
     if spec.method == "draft_model":
         get_model_class(draft_arch.architecture)

@@ -38,6 +38,7 @@ from tpspec.sample.vocab_parallel import (
     LogitsShard,
     best_of,
     gather_columns,
+    gather_packed,
     local_best,
     owned_values,
     processed,
@@ -91,20 +92,21 @@ class VocabParallelRejectionSampler:
             noise = gumbel(metadata.seeds[rand_bonus], metadata.positions[rand_bonus], target.token_ids(), SAMPLE)
             draw = draw.index_copy(0, rand_bonus, noise.add_(proc_all.index_select(0, rand_bonus)))
         value, gid = local_best(draw, target.vocab_start)
-        columns = [value, gid.float()]
         rand_drafts = torch.nonzero(~greedy[draft_rows]).squeeze(-1)  # draft indices verified stochastically
         rows = draft_rows[rand_drafts]  # [m] their target rows
+        proc_d = proc_all.index_select(0, rows)  # [m, shard_size]
+        d = draft_token_ids[rand_drafts].unsqueeze(-1)  # [m, 1]
+        per_draft = [owned_values(proc_d, target.vocab_start, d).squeeze(-1)]  # l(d)
+        if draft_dists is not None:
+            per_draft.append(owned_values(draft_dists.index_select(0, rand_drafts).float(), target.vocab_start, d).squeeze(-1))
+        if known_max is None:
+            per_draft.append(proc_d.amax(dim=-1))
+        width = max(2, len(per_draft)) if rand_drafts.numel() else 2
+        pack = torch.full((value.shape[0], width), -torch.inf, device=device)  # [num_rows, width]
+        pack[:, 0], pack[:, 1] = value, gid.float()
         if rand_drafts.numel():
-            d = draft_token_ids[rand_drafts].unsqueeze(-1)
-            stats_of_rows = [owned_values(proc_all.index_select(0, rows), target.vocab_start, d).squeeze(-1)]
-            if draft_dists is not None:
-                stats_of_rows.append(owned_values(draft_dists.index_select(0, rand_drafts).float(), target.vocab_start, d).squeeze(-1))
-            if known_max is None:
-                stats_of_rows.append(proc_all.index_select(0, rows).amax(dim=-1))
-            while len(columns) < len(stats_of_rows):
-                columns.append(torch.full_like(value, -torch.inf))
-            columns = [c.index_copy(0, rows, v) for c, v in zip(columns, stats_of_rows)] + columns[len(stats_of_rows):]
-        stats = gather_columns(columns, site)  # [tp, num_rows, 2 or 3]
+            pack[rows, : len(per_draft)] = torch.stack(per_draft, dim=-1)
+        stats = gather_packed(pack, site)  # [tp, num_rows, width]
         pair = torch.ones_like(greedy).index_fill_(0, rows, False)  # [num_rows]
         draws = best_of(stats[..., 0], torch.where(pair, stats[..., 1], 0.0))  # [num_rows], for pair rows
 
@@ -112,10 +114,10 @@ class VocabParallelRejectionSampler:
         accepted = draft_token_ids == draws[draft_rows]  # greedy rows; random rows overwritten below
         row_max = total = None
         if rand_drafts.numel():
-            top = stats.index_select(1, rows).amax(dim=0)  # [m, columns]: max over ranks
+            top = stats.index_select(1, rows).amax(dim=0)  # [m, width]: max over ranks
             row_max = torch.full_like(value, -torch.inf)  # [num_rows]
             row_max = row_max.index_copy(0, rows, top[:, -1]) if known_max is None else row_max.index_copy(0, rand, known_max)
-            z = comm.all_reduce(masses(proc_all.index_select(0, rows), row_max[rows]).sum(dim=-1), site)  # [m]
+            z = comm.all_reduce(masses(proc_d, row_max[rows]).sum(dim=-1), site)  # [m] int64
             total = torch.zeros(value.shape[0], dtype=torch.int64, device=device).index_copy(0, rows, z)  # [num_rows]
             p_d = probs(top[:, :1], row_max[rows], z).squeeze(-1)
             q_d = torch.ones_like(p_d) if draft_dists is None else top[:, 1]

@@ -100,6 +100,7 @@ def train_draft(
         feature_shards(folders["text"], folders["text_features"], target_folder, layer_ids)
         train_folders.append(folders["text_features"])
 
+    torch.manual_seed(train_cfg.seed)  # the draft's initial weights
     draft = DFlashTrainModel(cfg)
     state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight", "model.layers."])
     embed = state["model.embed_tokens.weight"]

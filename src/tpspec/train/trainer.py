@@ -168,6 +168,7 @@ class DFlashTrainer:
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step = 0
         self.tokens_seen = 0
+        self.loss_avg: float | None = None  # running mean of the training loss
         self.curve: list[dict] = []
         self.rng = random.Random(cfg.seed)
         bs = model.config.block_size
@@ -182,7 +183,7 @@ class DFlashTrainer:
         tmp = self._ckpt_path() + ".tmp"
         torch.save(
             {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-             "tokens_seen": self.tokens_seen, "curve": self.curve, "rng": self.rng.getstate(),
+             "tokens_seen": self.tokens_seen, "loss_avg": self.loss_avg, "curve": self.curve, "rng": self.rng.getstate(),
              "torch_rng": torch.get_rng_state()},
             tmp,
         )
@@ -197,6 +198,7 @@ class DFlashTrainer:
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["opt"])
         self.step, self.tokens_seen, self.curve = ck["step"], ck["tokens_seen"], ck["curve"]
+        self.loss_avg = ck["loss_avg"]
         self.rng.setstate(ck["rng"])
         torch.set_rng_state(ck["torch_rng"])
         logger.info("resumed at step %d (%d training tokens)", self.step, self.tokens_seen)
@@ -277,21 +279,21 @@ class DFlashTrainer:
     def run(self, export_dir: str | None = None, eval_seqs: int | None = 32) -> dict:
         self.maybe_resume()
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="training DFlash drafter")
-        loss_avg, last = None, self.curve[-1] if self.curve else {}
+        last = self.curve[-1] if self.curve else {}
         t0 = time.perf_counter()
         while self.step < self.cfg.steps:
             loss = self.train_step()
-            loss_avg = loss if loss_avg is None else 0.95 * loss_avg + 0.05 * loss
+            self.loss_avg = loss if self.loss_avg is None else 0.95 * self.loss_avg + 0.05 * loss
             bar.update(1)
             if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
                 ev = self.evaluate(eval_seqs)
-                last = {"step": self.step, "training_tokens": self.tokens_seen, "loss": loss_avg,
+                last = {"step": self.step, "training_tokens": self.tokens_seen, "loss": self.loss_avg,
                         "held_out_acceptance_length": ev["acceptance_length"],
                         "first_position_accuracy": ev["position_accuracy"][0],
                         "elapsed_s": time.perf_counter() - t0}
                 self.curve.append(last)
                 logger.info("step %d: %s", self.step, last)
-            bar.set_postfix(loss=f"{loss_avg:.3f}", held_out_al=f"{last.get('held_out_acceptance_length', float('nan')):.3f}")
+            bar.set_postfix(loss=f"{self.loss_avg:.3f}", held_out_al=f"{last.get('held_out_acceptance_length', float('nan')):.3f}")
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                 self.save_checkpoint()
                 if export_dir is not None:

@@ -1,0 +1,94 @@
+"""Drafter training: HumanEval stays out of the data, labels follow the target's greedy chain,
+and a run cut at any moment resumes to exactly the weights of an uncut run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tpspec.train.data import humaneval_signatures, stdlib_prompts, text_shards
+from tpspec.train.train_draft import DraftRecipe, train_draft
+from tpspec.train.trainer import DFlashTrainer, TrainConfig, build_blocks
+
+
+def test_stdlib_prompts_leave_humaneval_out():
+    from tpspec.train.data import _humaneval_entry_points
+
+    prompts = stdlib_prompts()
+    assert len(prompts) > 3000
+    names = _humaneval_entry_points()
+    assert not any(p.lstrip().startswith(f"def {n}(") for p in prompts for n in names)
+    sigs = humaneval_signatures()
+    assert len(sigs) >= 160 and not any(s in p for p in prompts for s in sigs)
+
+
+def test_text_shards_drop_humaneval_text(tmp_path):
+    class Chars:  # one token per character
+        def encode(self, text):
+            return [ord(c) % 1000 for c in text]
+
+    sig = sorted(humaneval_signatures())[0]
+    texts = ["x = 1\n" * 100, f"{sig}\n    return 0\n" * 10, "y = 2\n" * 100]
+    text_shards(str(tmp_path), texts, Chars(), seq_len=64)
+    shard = torch.load(tmp_path / "shard_00000.pt")
+    seqs = shard["output_ids"]
+    assert all(len(s) <= 64 for s in seqs) and all(p == [] for p in shard["prompt_ids"])
+    assert sum(map(len, seqs)) >= 1000  # both clean texts, minus each one's short tail
+    text = "".join(chr(t) for s in seqs for t in s)
+    assert "def " not in text
+
+
+def test_block_labels_follow_the_greedy_chain():
+    bs = 4
+    tok = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])
+    # argmax[t] = the target's prediction of token t + 1; the text leaves the chain at token 5
+    argmax = torch.tensor([11, 12, 13, 14, 99, 16, 17, 18])
+    feat = torch.randn(8, 6)
+    features, ctx_pos, ids, pos, mask, labels = build_blocks([(tok, feat, argmax, [2, 3])], bs, mask_token_id=7)
+    assert ids[0].tolist() == [12, 7, 7, 7, 13, 7, 7, 7]
+    assert pos[0].tolist() == [2, 3, 4, 5, 3, 4, 5, 6]
+    # anchor 2: drafts predict tokens 3, 4, 5 = argmax[2], argmax[3], argmax[4] (chain holds to 4)
+    # anchor 3: token 4 = argmax[3]; token 5 = argmax[4] = 99; token 6 would follow 99, which
+    # the text does not contain: no label
+    assert labels[0].tolist() == [-100, 13, 14, 99, -100, 14, 99, -100]
+    t = 8
+    assert mask[0, 0, :t].tolist() == [True, True] + [False] * 6  # context before anchor 2
+    assert mask[0, 5, :t].tolist() == [True, True, True] + [False] * 5
+    assert mask[0, 1, t : t + 8].tolist() == [True] * 4 + [False] * 4  # its own block only
+    assert mask[0, 6, t : t + 8].tolist() == [False] * 4 + [True] * 4
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over", [5, 6, 7, 8, 5, 6, 7, 8]]
+RECIPE = DraftRecipe(num_layers=1, target_layer_ids=(0, 2), block_size=6, max_tokens=32,
+                     generation_dtype="float32", max_num_seqs=4, text_tokens=0)
+CFG = TrainConfig(steps=24, seqs_per_step=2, anchors_per_seq=8, lr=3e-3, warmup_steps=4,
+                  checkpoint_every=5, eval_every=12)
+
+
+def test_training_cut_at_any_moment_resumes_exactly(tiny_llama, tmp_path, monkeypatch):
+    uncut = train_draft(str(tmp_path / "a"), str(tmp_path / "a-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+    assert uncut["step"] == CFG.steps
+    # Same data, then a run killed between checkpoints (at step 13; the last checkpoint is 10).
+    os.makedirs(tmp_path / "b")
+    for name in ("generated", "features", "held_out_generated", "held_out_features"):
+        shutil.copytree(tmp_path / "a" / name, tmp_path / "b" / name)
+    step = DFlashTrainer.train_step
+
+    def dying(self):
+        if self.step == 13:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(DFlashTrainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(str(tmp_path / "b"), str(tmp_path / "b-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+    monkeypatch.setattr(DFlashTrainer, "train_step", step)
+    resumed = train_draft(str(tmp_path / "b"), str(tmp_path / "b-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+    assert resumed == {**uncut, "elapsed_s": resumed["elapsed_s"]}
+    a, b = load_file(str(tmp_path / "a-out" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "fc.weight" in a and "layers.0.self_attn.q_norm.weight" in a  # the public DFlash layout
