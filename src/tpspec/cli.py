@@ -217,7 +217,7 @@ def add_train_draft_parser(sub) -> None:
     t.add_argument("--random-init", action="store_true", help="do not start the draft layers from the target's last layers")
     t.add_argument("--num-prompts", type=int, default=512, help="standard-library prompts whose continuations are generated")
     t.add_argument("--max-tokens", type=int, default=128, help="continuation length per prompt")
-    t.add_argument("--text-tokens", type=int, default=300_000, help="standard-library source tokens used as real text")
+    t.add_argument("--text-tokens", type=int, default=131_072, help="standard-library source tokens used as real text")
     t.add_argument("--steps", type=int, default=4000)
     t.add_argument("--seqs-per-step", type=int, default=8)
     t.add_argument("--anchors-per-seq", type=int, default=16)

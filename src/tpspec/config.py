@@ -23,6 +23,15 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
         raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
+def read_config_json(folder: str, what: str) -> dict:
+    """``folder/config.json`` as a dict; ``what`` names the folder in the error (e.g. "DFlash checkpoint")."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {folder!r} has no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """The decoder's shape, read from a Hugging Face ``config.json``."""
@@ -83,11 +92,7 @@ class ModelArchConfig:
 
     @classmethod
     def from_folder(cls, folder: str) -> "ModelArchConfig":
-        path = os.path.join(folder, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model folder {folder!r} has no config.json")
-        with open(path) as f:
-            return cls.from_hf_config(json.load(f))
+        return cls.from_hf_config(read_config_json(folder, "model folder"))
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ def _serving(target_folder: str, draft_folder: str):
         return hidden, model.get_top_tokens(hidden), model.compute_logits(hidden).argmax(-1)
 
 
-def _reference(target_folder: str, draft_folder: str) -> torch.Tensor:
+def _reference(target_folder: str, draft_folder: str, hidden_context: int = 0) -> torch.Tensor:
+    """The dense training model on the same inputs; its first ``hidden_context`` context tokens masked."""
     from safetensors.torch import load_file
 
     from tpspec.models.dflash import DFlashConfig
@@ -60,6 +61,7 @@ def _reference(target_folder: str, draft_folder: str) -> torch.Tensor:
     embed = load_file(f"{target_folder}/model.safetensors")["model.embed_tokens.weight"]
     features, block_ids = _inputs(len(cfg.target_layer_ids) * cfg.arch.hidden_size)
     mask = torch.ones(1, BLOCK, CTX + BLOCK, dtype=torch.bool)
+    mask[:, :, :hidden_context] = False
     with torch.no_grad():
         return model(features[None], torch.arange(CTX)[None], F.embedding(block_ids, embed)[None],
                      torch.arange(CTX, CTX + BLOCK)[None], mask)[0]
@@ -83,18 +85,4 @@ def test_serving_model_matches_reference_tp2(tiny_llama, tiny_dflash):
 def test_context_is_what_the_block_reads(tiny_llama, tiny_dflash):
     """A block whose context is cut short must differ: the cache really carries the context."""
     ref = _reference(tiny_llama, tiny_dflash)
-    from tpspec.models.dflash import DFlashConfig
-    from tpspec.train.dflash_module import DFlashTrainModel
-    from safetensors.torch import load_file
-
-    cfg = DFlashConfig.from_folder(tiny_dflash)
-    model = DFlashTrainModel(cfg)
-    model.load_state_dict(load_file(f"{tiny_dflash}/model.safetensors"))
-    embed = load_file(f"{tiny_llama}/model.safetensors")["model.embed_tokens.weight"]
-    features, block_ids = _inputs(len(cfg.target_layer_ids) * cfg.arch.hidden_size)
-    mask = torch.ones(1, BLOCK, CTX + BLOCK, dtype=torch.bool)
-    mask[:, :, :3] = False
-    with torch.no_grad():
-        other = model(features[None], torch.arange(CTX)[None], F.embedding(block_ids, embed)[None],
-                      torch.arange(CTX, CTX + BLOCK)[None], mask)[0]
-    assert (other - ref).abs().max() > 1e-2
+    assert (_reference(tiny_llama, tiny_dflash, hidden_context=3) - ref).abs().max() > 1e-2

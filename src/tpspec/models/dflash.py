@@ -14,8 +14,6 @@ target's slots, and the block runs as ordinary decoder layers over that cache (`
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -23,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpspec.config import ModelArchConfig
+from tpspec.config import ModelArchConfig, read_config_json
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
 from tpspec.layers.linear import ReplicatedLinear
 from tpspec.layers.norm import RMSNorm
@@ -47,11 +45,7 @@ class DFlashConfig:
 
     @classmethod
     def from_folder(cls, folder: str) -> "DFlashConfig":
-        path = os.path.join(folder, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"DFlash checkpoint {folder!r} has no config.json")
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = read_config_json(folder, "DFlash checkpoint")
         dflash = cfg.get("dflash_config") or {}
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
         missing += [k for k in ("block_size", "num_target_layers") if k not in cfg]

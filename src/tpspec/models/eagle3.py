@@ -18,15 +18,13 @@ self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}`` (``layers.0.`` is read as `
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from tpspec.config import ModelArchConfig
+from tpspec.config import ModelArchConfig, read_config_json
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size, single_rank
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.layers.linear import QKVParallelLinear, ReplicatedLinear
@@ -88,11 +86,7 @@ class Eagle3Config:
 
     @classmethod
     def from_folder(cls, folder: str) -> "Eagle3Config":
-        path = os.path.join(folder, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"EAGLE-3 folder {folder!r} has no config.json")
-        with open(path) as f:
-            return cls.from_hf_config(json.load(f))
+        return cls.from_hf_config(read_config_json(folder, "EAGLE-3 folder"))
 
     def fc_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """Target layer ids (tpspec convention: the output of layer L) whose hidden states ``fc``

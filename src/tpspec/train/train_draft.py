@@ -38,7 +38,7 @@ class DraftRecipe:
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
     num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
     max_tokens: int = 128  # continuation length per prompt
-    text_tokens: int = 300_000  # real-text tokens (0: none)
+    text_tokens: int = 131_072  # real-text tokens (0: none)
     generation_dtype: str = "bfloat16"
     max_num_seqs: int = 64
 
