@@ -137,7 +137,7 @@ def _bench_compare(args: argparse.Namespace) -> int:
     server = ServerOptions(
         model=args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        num_kv_blocks=args.num_kv_blocks, seed=args.seed,
+        num_kv_blocks=args.num_kv_blocks, seed=args.seed, sampling_mode=args.sampling_mode,
     )
     cfg = CompareConfig(
         server=server, workload=Workload(**workload_kwargs(args)), concurrencies=tuple(args.max_concurrency),
@@ -176,6 +176,8 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB (server default if unset)")
     c.add_argument("--num-kv-blocks", type=int, default=None)
     c.add_argument("--seed", type=int, default=0, help="the servers' seed and the workload's")
+    c.add_argument("--sampling-mode", default="gathered", choices=["gathered", "vocab-parallel"],
+                   help="the servers' verification/sampling mode (the same for both configs)")
     c.add_argument("--speculative-config", default=None,
                    help="the baseline's JSON (default: bench.compare.DEFAULT_SPECULATIVE_CONFIG, DFlash with 15 "
                         "tokens); the other config adds use_local_argmax_reduction=true")

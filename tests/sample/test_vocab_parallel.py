@@ -99,7 +99,7 @@ def _broken_top_p_trusting_candidates(shard: LogitsShard, top_p: torch.Tensor) -
 
 def _check_cases(cases: list[tuple]) -> list[dict]:
     """On every rank: each primitive on the shard against the gathered reference; plain values only."""
-    tp, out = get_tp_size(), []
+    out = []
     for vocab, kind, seed in cases:
         full = _logits(vocab, kind, seed)
         md = _metadata(seed)

@@ -90,7 +90,7 @@ def _trained_dflash(target: str, work: str, out: str) -> str:
     from tpspec.train.trainer import TrainConfig
 
     recipe = DraftRecipe(num_layers=1, target_layer_ids=(0, 2), block_size=6, max_tokens=REF_TOKENS,
-                         generation_dtype="float32", max_num_seqs=8)
+                         generation_dtype="float32", max_num_seqs=8, text_tokens=0)
     train = TrainConfig(steps=60, seqs_per_step=4, anchors_per_seq=16, lr=3e-3, warmup_steps=10,
                         checkpoint_every=60, eval_every=60)
     train_draft(work, out, target, recipe, train, prompts=PROMPTS, held_out_prompts=PROMPTS[:1])
@@ -324,6 +324,23 @@ def test_dflash_drafts_are_identical_at_tp1_and_tp2(models, monkeypatch):
         drafts[tp] = list(recorded)
     assert sum(len(d) for step in drafts[1] for d in step) > 50
     assert drafts[1] == drafts[2]
+
+
+@pytest.mark.parametrize("mode", ["gathered", "vocab-parallel"])
+def test_dflash_probabilistic_flag_drafts_are_sharding_invariant(mode, models):
+    """DFlash samples drafts through the target's vocab-parallel LM head even when its layers are
+    replicated, so with the flag q stays sharded; seeded output must not depend on TP."""
+    spec = _resolve(_dflash(True, draft_sample_method="probabilistic", draft_tensor_parallel_size=1), models)
+    prompts, params = PROMPTS[:4] + PROMPTS[:2], SEEDED + [GREEDY] * 2
+    outs = {}
+    for tp in (1, 2):
+        with LLM(models["llama"], tensor_parallel_size=tp, speculative_config=spec, sampling_mode=mode, **ENGINE) as llm:
+            outs[tp] = _ids(llm.generate(prompts, params, use_tqdm=False))
+            stats = llm.get_stats()
+        assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert outs[1] == outs[2]
+    ref = _plain(models, "llama", 1)["ref"]
+    assert outs[2][4:] == [r[:MAX_TOKENS] for r in ref[:2]]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -54,11 +54,12 @@ class ServerOptions:
     kv_cache_memory_gb: float | None = None
     num_kv_blocks: int | None = None
     seed: int = 0
+    sampling_mode: str = "gathered"  # both configs verify the same way; only drafting differs
 
     def argv(self, speculative_config: dict[str, Any]) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tensor_parallel_size), "--dtype", self.dtype,
                 "--device", self.device, "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
-                "--speculative-config", json.dumps(speculative_config)]
+                "--sampling-mode", self.sampling_mode, "--speculative-config", json.dumps(speculative_config)]
         for flag, value in (("--model", self.model), ("--max-model-len", self.max_model_len),
                             ("--kv-cache-memory-gb", self.kv_cache_memory_gb), ("--num-kv-blocks", self.num_kv_blocks)):
             if value is not None:

@@ -18,10 +18,14 @@ from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, Draf
 
 
 class DraftModelProposer(DraftModelSpeculator):
+    @property
+    def replicated_lm_head(self) -> bool:
+        """A draft with draft_tensor_parallel_size=1 is replicated, its LM head included."""
+        return self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
+
     def _tp_context(self):
-        """A draft with draft_tensor_parallel_size=1 is replicated: built and run as TP 1."""
-        replicated = self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
-        return single_rank() if replicated else contextlib.nullcontext()
+        """A replicated draft is built and run as TP 1."""
+        return single_rank() if self.replicated_lm_head else contextlib.nullcontext()
 
     def _build_model(self, target_model: torch.nn.Module) -> torch.nn.Module:
         folder = self.spec_config.model

@@ -67,6 +67,14 @@ class DraftOutput:
 class DraftModelSpeculator:
     # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads.
     capture_layers: tuple[int, ...] = ()
+    # True when the draft tokens come from a whole (unsharded) LM head on every rank.
+    replicated_lm_head: bool = False
+
+    @property
+    def dists_sharded(self) -> bool:
+        """Whether a probabilistic draft's q is kept as this rank's vocab columns (the flag with a
+        vocab-parallel LM head) rather than full width."""
+        return self.use_local_argmax_reduction and not self.replicated_lm_head
 
     def __init__(self, spec_config: SpeculativeConfig, engine_config: EngineConfig, device: torch.device):
         self.spec_config = spec_config

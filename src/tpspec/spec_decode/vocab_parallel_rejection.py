@@ -56,7 +56,8 @@ class VocabParallelRejectionSampler:
         num_draft_tokens: Sequence[int],  # k_i per request (0 allowed)
         metadata: SamplingMetadata,  # one row per target row, positions = the position each row samples
         site: str,
-        draft_dists: torch.Tensor | None = None,  # [num_draft_tokens, shard_size] this rank's columns of q; None: greedy drafts
+        # [num_draft_tokens, shard_size]: this rank's columns of q; None: greedy drafts (point masses)
+        draft_dists: torch.Tensor | None = None,
     ) -> RejectionOutput:
         check_inputs(target.logits.shape[0], target.vocab_size, draft_token_ids, num_draft_tokens, metadata)
         num_drafts = draft_token_ids.numel()
@@ -98,7 +99,8 @@ class VocabParallelRejectionSampler:
         d = draft_token_ids[rand_drafts].unsqueeze(-1)  # [m, 1]
         per_draft = [owned_values(proc_d, target.vocab_start, d).squeeze(-1)]  # l(d)
         if draft_dists is not None:
-            per_draft.append(owned_values(draft_dists.index_select(0, rand_drafts).float(), target.vocab_start, d).squeeze(-1))
+            q_rows = draft_dists.index_select(0, rand_drafts).float()  # [m, shard_size]
+            per_draft.append(owned_values(q_rows, target.vocab_start, d).squeeze(-1))
         if known_max is None:
             per_draft.append(proc_d.amax(dim=-1))
         width = max(2, len(per_draft)) if rand_drafts.numel() else 2
@@ -116,7 +118,10 @@ class VocabParallelRejectionSampler:
         if rand_drafts.numel():
             top = stats.index_select(1, rows).amax(dim=0)  # [m, width]: max over ranks
             row_max = torch.full_like(value, -torch.inf)  # [num_rows]
-            row_max = row_max.index_copy(0, rows, top[:, -1]) if known_max is None else row_max.index_copy(0, rand, known_max)
+            if known_max is None:
+                row_max = row_max.index_copy(0, rows, top[:, -1])
+            else:
+                row_max = row_max.index_copy(0, rand, known_max)
             z = comm.all_reduce(masses(proc_d, row_max[rows]).sum(dim=-1), site)  # [m] int64
             total = torch.zeros(value.shape[0], dtype=torch.int64, device=device).index_copy(0, rows, z)  # [num_rows]
             p_d = probs(top[:, :1], row_max[rows], z).squeeze(-1)

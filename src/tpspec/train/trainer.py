@@ -172,6 +172,7 @@ class DFlashTrainer:
         self.curve: list[dict] = []
         self.rng = random.Random(cfg.seed)
         bs = model.config.block_size
+        self.max_anchor = model.config.arch.max_position_embeddings - bs  # last block position < max
         self.pos_weight = torch.exp(-(torch.arange(bs) - 1).clamp(min=0) / cfg.loss_decay_gamma)  # [block_size]
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -217,7 +218,8 @@ class DFlashTrainer:
         batch = []
         while len(batch) < self.cfg.seqs_per_step:
             tok, feat, argmax, p = self.train_data.get(self.rng.randrange(len(self.train_data.seqs)))
-            lo, hi = max(1, p - 1), len(tok) - 2  # anchors in the continuation (the first sees its prompt)
+            # anchors in the continuation (the first sees its prompt), blocks inside the RoPE table
+            lo, hi = max(1, p - 1), min(len(tok) - 2, self.max_anchor)
             if hi < lo:
                 continue
             k = min(self.cfg.anchors_per_seq, hi - lo + 1)
@@ -257,7 +259,7 @@ class DFlashTrainer:
         n = len(self.held_out.seqs) if max_seqs is None else min(max_seqs, len(self.held_out.seqs))
         for i in range(n):
             tok, feat, argmax, p = self.held_out.get(i)
-            anchors = list(range(max(1, p - 1), len(tok) - bs, stride))
+            anchors = list(range(max(1, p - 1), min(len(tok) - bs, self.max_anchor + 1), stride))
             if not anchors:
                 continue
             for chunk in range(0, len(anchors), 32):

@@ -180,10 +180,7 @@ class ModelRunner:
         if any(q is not None for q in dists) and draft_ids:
             # q as the drafter kept it: full width ([k, vocab], or [k, padded vocab] from a replicated
             # draft), or this rank's columns (use_local_argmax_reduction); made what the verifier reads.
-            spec = self.config.speculative
-            full_width = not spec.use_local_argmax_reduction or (
-                spec.draft_tensor_parallel_size == 1 and self.config.parallel.tensor_parallel_size > 1
-            )
+            full_width = not self.speculator.dists_sharded
             kept = torch.cat([q for q in dists if q is not None])  # [m, width]
             if sharded:
                 kept = shard_columns(kept, logits.vocab_start, logits.shard_size, 0.0) if full_width else kept
