@@ -82,7 +82,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         object.__setattr__(self, "top_p", top_p)
 
-        _check_int("top_k", self.top_k, "0 or -1 (disabled) or in [1, 2**31)", lambda v: -1 <= v < 2**31)
+        _check_int("top_k", self.top_k, "0 or -1 (disabled) or in [1, 2**63)", lambda v: -1 <= v < 2**63)
         object.__setattr__(self, "top_k", max(self.top_k, 0))
 
         min_p = _check_float("min_p", self.min_p)
