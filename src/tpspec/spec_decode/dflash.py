@@ -53,14 +53,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         if missing:
             raise ValueError(f"DFlash checkpoint {self.spec_config.model!r} lacks weights: {sorted(missing)[:5]}")
         model.eval()
-        kv_heads, head_dim = model.kv_cache_shape
-        self.kv_caches = [
-            (
-                torch.zeros(self.num_kv_slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
-                torch.zeros(self.num_kv_slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
-            )
-            for _ in range(cfg.arch.num_hidden_layers)
-        ]
+        self.kv_caches = self._allocate_kv(model, cfg.arch.num_hidden_layers)
         return model
 
     @torch.inference_mode()

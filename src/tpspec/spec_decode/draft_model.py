@@ -35,15 +35,7 @@ class DraftModelProposer(DraftModelSpeculator):
                 model = get_model_class(arch.architecture)(arch, target_model.dtype)
             model.load_weights(iterate_weights(folder, show_progress=get_tp_rank() == 0))
         model.eval()
-        slots = self.num_kv_slots
-        kv_heads, head_dim = model.kv_cache_shape
-        self.kv_caches = [
-            (
-                torch.zeros(slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
-                torch.zeros(slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
-            )
-            for _ in range(arch.num_hidden_layers)
-        ]
+        self.kv_caches = self._allocate_kv(model, arch.num_hidden_layers)
         return model
 
     def _forward(self, token_ids: list[list[int]], start_pos: list[int], tables: list[list[int]]) -> torch.Tensor:

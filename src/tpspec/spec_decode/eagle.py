@@ -59,11 +59,7 @@ class Eagle3Proposer(DraftModelSpeculator):
             model = Eagle3LlamaForCausalLM(self.eagle_config, target_model.config, target_embed, target_model.dtype, replicated)
         model.load_weights(iterate_weights(folder, show_progress=get_tp_rank() == 0))
         model.eval()
-        kv_heads, head_dim = model.kv_cache_shape
-        self.kv_cache = (
-            torch.zeros(self.num_kv_slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
-            torch.zeros(self.num_kv_slots, kv_heads, head_dim, dtype=model.dtype, device=self.device),
-        )
+        (self.kv_cache,) = self._allocate_kv(model, 1)  # one midlayer
         return model
 
     def _run(

@@ -96,6 +96,15 @@ class DraftModelSpeculator:
     def _build_model(self, target_model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
 
+    def _allocate_kv(self, model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The drafter's paged KV cache: per layer, K and V of ``[num_kv_slots, kv_heads, head_dim]``."""
+        kv_heads, head_dim = model.kv_cache_shape
+        shape = (self.num_kv_slots, kv_heads, head_dim)
+        return [
+            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
+            for _ in range(num_layers)
+        ]
+
     def _validate_local_argmax_reduction(self) -> None:
         if not self.use_local_argmax_reduction:
             return
