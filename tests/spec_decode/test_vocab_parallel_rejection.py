@@ -91,13 +91,14 @@ def _verify_cases() -> list[dict]:
             res[name + "_stats"] = comm.get_comm_stats()
             res[name + "_accepted"] = (sum(ref.num_accepted), sum(ks))
         # Random requests without filters: exact bytes (see the module docstring of
-        # vocab_parallel_rejection): 12·tp per row (l(d), q(d), local max), 8 per draft row (Z),
-        # 8·tp per rejection (the residual's (value, id)).
+        # vocab_parallel_rejection): per verified draft 12·tp (l(d), q(d), local max) and 8 (Z),
+        # one round (two collectives) per position; then 8·tp per request (residual or bonus draw).
         hot = request_rows(ks, [SamplingParams(temperature=1.0)] * n, list(range(n)), [20] * n)
         comm.reset_comm_stats()
         got = VocabParallelRejectionSampler()(shard, drafts, ks, hot, "verify.sample", shard_columns(q, start, size, 0.0))
         res["hot_stats"] = comm.get_comm_stats()
         res["hot_rejections"] = sum(a < k for a, k in zip(got.num_accepted, ks))
+        res["hot_verified"] = [min(a + 1, k) for a, k in zip(got.num_accepted, ks)]
         # k = 0 everywhere: plain sampling, 8·tp bytes per row without filters.
         plain = SamplingMetadata.from_params([SamplingParams(temperature=1.0)] * n, list(range(n)), [3] * n)
         comm.reset_comm_stats()
@@ -127,12 +128,13 @@ def test_vocab_parallel_verification_and_drafting_equal_the_gathered_path(tp):
         assert 0 < accepted < drafted, ref["case"]  # acceptances and rejections both decided
         if tp == 1:
             continue
-        n, drafts = 60, sum(i % 5 for i in range(60))
+        n = 60
         assert ref["plain_stats"] == {"verify.sample": {"calls": 1, "bytes": 8 * tp * n}}
-        rejections = ref["hot_rejections"]
-        assert 0 < rejections < n
+        assert 0 < ref["hot_rejections"] < n
+        verified = ref["hot_verified"]  # drafts verified per request: up to the first rejection
+        assert sum(verified) < sum(i % 5 for i in range(n))  # rows after a rejection are never read
         assert ref["hot_stats"] == {"verify.sample": {
-            "calls": 3, "bytes": 12 * tp * (n + drafts) + 8 * drafts + 8 * tp * rejections}}
+            "calls": 2 * max(verified) + 1, "bytes": (12 * tp + 8) * sum(verified) + 8 * tp * n}}
         # Drafting: filters (candidates [+ top-p's Z + histogram rounds]), then (value, id) and Z.
         assert ref["draft_stats"]["draft.sample"]["calls"] in (4, 8)
 
