@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -80,8 +81,9 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    Written as two batched matmuls over [seqs, kv_heads, group, queries, keys] rather than SDPA:
-    on CPU this is faster for decode batches, and K/V are gathered with one ``index_select``.
+    K/V are gathered with one ``index_select``. Decode steps in float32 (float16 attends in
+    float32) go through PyTorch's fused SDPA; everything else (prefill, k + 1 speculative queries,
+    bfloat16) through two batched matmuls over [seqs, kv_heads, group, queries, keys].
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_head_of_head: torch.Tensor):
@@ -113,26 +115,46 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, md.slot_mapping, v)
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
+        # CPUs have no fast float16 batched matmul (float32 and bfloat16 do, ~3-10x faster here): attend in float32.
+        compute = torch.float32 if q.dtype == torch.float16 and q.device.type == "cpu" else q.dtype
         flat = md.context_slots.view(-1)
-        keys = k_cache.index_select(0, flat).view(num_seqs, max_ctx, self.num_kv_heads, d)
-        values = v_cache.index_select(0, flat).view(num_seqs, max_ctx, self.num_kv_heads, d)
+        keys = k_cache.index_select(0, flat).view(num_seqs, max_ctx, self.num_kv_heads, d).to(compute)
+        values = v_cache.index_select(0, flat).view(num_seqs, max_ctx, self.num_kv_heads, d).to(compute)
+        q = q.to(compute)
+        if not self.uniform_groups:
+            keys, values = keys[:, :, self.kv_head_of_head], values[:, :, self.kv_head_of_head]
+        if md.decode_only and compute == torch.float32:
+            return self._decode_sdpa(q, keys, values, md).to(k.dtype)
         if md.decode_only:
             q_pad = q.unsqueeze(1)  # [num_seqs, 1, heads, d]
         else:
             q_pad = torch.cat([q, q.new_zeros(1, self.num_heads, d)])[md.query_index]  # [num_seqs, max_q, heads, d]
         max_q = q_pad.shape[1]
-        if self.uniform_groups:
-            kv_heads = self.num_kv_heads
-        else:
-            keys, values = keys[:, :, self.kv_head_of_head], values[:, :, self.kv_head_of_head]
-            kv_heads = self.num_heads
+        kv_heads = self.num_kv_heads if self.uniform_groups else self.num_heads
         group = self.num_heads // kv_heads
         # Query heads of one KV head and their queries share the matmul's row dimension.
         qg = q_pad.view(num_seqs, max_q, kv_heads, group, d).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(num_seqs, kv_heads, group * max_q, d)  # [seqs, kv, group·q, d]
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1))  # [seqs, kv, group·q, ctx]
         scores = scores.float().mul_(self.scale).view(num_seqs, kv_heads, group, max_q, max_ctx)
-        probs = torch.softmax(scores.add_(md.attn_bias), dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.add_(md.attn_bias), dim=-1).to(compute)
         out = torch.matmul(probs.view(num_seqs, kv_heads, group * max_q, max_ctx), values.permute(0, 2, 1, 3))
         out = out.view(num_seqs, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, self.num_heads * d)
+        out = out.to(k.dtype)
         return out.view(-1, self.num_heads * d) if md.decode_only else out[md.query_valid]
+
+    def _decode_sdpa(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
+        keys: torch.Tensor,  # [num_seqs, max_context, kv_heads, head_dim] (kv_heads = num_heads if groups are uneven)
+        values: torch.Tensor,  # same
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_seqs, num_heads · head_dim]
+        """Decode steps in float32 through PyTorch's fused SDPA: about 1.5x (one sequence) to 2x
+        (32 sequences) faster on CPU than the two matmuls, same result up to float rounding.
+        (In bfloat16 the matmuls are faster; float16 attends in float32.)"""
+        mask = md.attn_bias[:, 0] if q.shape[0] > 1 else None  # [num_seqs, 1, 1, max_context]; one sequence has no padding
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # [num_seqs, num_heads, 1, head_dim]
+        return out.view(-1, self.num_heads * self.head_dim)

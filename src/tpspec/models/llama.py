@@ -41,13 +41,17 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2·kv_heads)·d]
         p = self.qkv_proj
         d = p.head_dim
-        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
-        q = q.view(-1, p.num_local_heads, d)
-        k = k.view(-1, p.num_local_kv_heads, d)
+        qk, v = qkv.split([p.q_size + p.kv_size, p.kv_size], dim=-1)
         v = v.view(-1, p.num_local_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is None:
+            # Query and key heads side by side: one rotation for both.
+            qk = self.rotary.rotate(positions, qk.view(-1, p.num_local_heads + p.num_local_kv_heads, d))
+            q, k = qk.split([p.num_local_heads, p.num_local_kv_heads], dim=1)
+        else:
+            q, k = qk.split([p.q_size, p.kv_size], dim=-1)
+            q = self.q_norm(q.view(-1, p.num_local_heads, d))
+            k = self.k_norm(k.view(-1, p.num_local_kv_heads, d))
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
