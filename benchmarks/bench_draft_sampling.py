@@ -22,30 +22,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
-import traceback
 
 import torch
 from tqdm import tqdm
 
+from lm_head_ranks import TORCH_DTYPES, add_head_args, load_head, model_folder, run_ranks, time_reps
+
 logger = logging.getLogger("bench_draft_sampling")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SITE_OFF, SITE_ON, SITE_SYNC = "draft.sample.full", "draft.sample", "bench.sync"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--random-weights", action="store_true", help="random head of --vocab x --hidden, no model needed")
-    p.add_argument("--vocab", type=int, default=49152, help="vocab size with --random-weights")
-    p.add_argument("--hidden", type=int, default=576, help="hidden size with --random-weights")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (gloo ranks)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
+    add_head_args(p)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 480], help="rows (draft tokens) per call")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=15)
@@ -60,53 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- one rank -------------------------------------------------------------------------------
-def _load_head(args, folder: str | None, dtype: torch.dtype):
-    """The LM head (this rank's shard) and the per-channel scale of the hidden states [hidden]."""
-    from tpspec.layers.vocab_parallel import ParallelLMHead
-
-    if folder is None:
-        g = torch.Generator().manual_seed(args.seed)
-        weight = torch.randn(args.vocab, args.hidden, generator=g) * 0.05
-        head = ParallelLMHead(args.vocab, args.hidden, dtype)
-        head.weight_loader(head.weight, weight.to(dtype))
-        return head, torch.ones(args.hidden)
-    from safetensors import safe_open
-
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-        tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in keys
-        sl = f.get_slice("model.embed_tokens.weight" if tied else "lm_head.weight")
-        vocab, hidden = sl.get_shape()
-        head = ParallelLMHead(cfg["vocab_size"], hidden, dtype)
-        if head.num_real:  # only this rank's rows
-            rows = sl[head.vocab_start : head.vocab_start + head.num_real]
-            head.weight.data[: head.num_real].copy_(rows.to(dtype))
-        norm = f.get_tensor("model.norm.weight").float() if "model.norm.weight" in keys else torch.ones(hidden)
-    return head, norm
-
-
-def _time_reps(fn, warmup: int, repeats: int, sync) -> tuple[list[float], object]:
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return times, out
-
-
 def _rank_main(args, folder: str | None) -> dict:
     from tpspec.distributed import comm
     from tpspec.distributed.parallel_state import get_tp_rank
     from tpspec.layers.logits import LogitsProcessor
 
     dtype = TORCH_DTYPES[args.dtype]
-    head, norm = _load_head(args, folder, dtype)
+    head, norm = load_head(args, folder, dtype)
     proc = LogitsProcessor(head.vocab_size)
     sync_buf = torch.zeros(1)
 
@@ -124,7 +77,7 @@ def _rank_main(args, folder: str | None) -> dict:
             ("on", lambda: proc.get_top_tokens(head, h, SITE_ON)),
         ):
             comm.reset_comm_stats()
-            times, out = _time_reps(fn, args.warmup, args.repeats, sync)
+            times, out = time_reps(fn, args.warmup, args.repeats, sync)
             stats = {k: v for k, v in comm.get_comm_stats().items() if k != SITE_SYNC}
             calls = sum(v["calls"] for v in stats.values())
             nbytes = sum(v["bytes"] for v in stats.values())
@@ -133,43 +86,6 @@ def _rank_main(args, folder: str | None) -> dict:
                 entry[flag]["tokens"] = out.tolist()
         results.append(entry)
     return dict(vocab=head.vocab_size, padded_vocab=head.padded_vocab_size, hidden=norm.numel(), results=results)
-
-
-def _entry(rank: int, args, folder: str | None, init_method: str, queue) -> None:
-    from tpspec.distributed.parallel_state import destroy_distributed, init_distributed
-
-    try:
-        torch.set_num_threads(args.threads)
-        init_distributed(rank, args.tp, init_method, "gloo", torch.device("cpu"), 600)
-        queue.put((rank, "ok", _rank_main(args, folder)))
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        destroy_distributed()
-
-
-def run_ranks(args, folder: str | None) -> list[dict]:
-    from tpspec.distributed.parallel_state import get_free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{get_free_port()}"
-    procs = [ctx.Process(target=_entry, args=(r, args, folder, init_method, queue)) for r in range(args.tp)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(args.tp):
-            rank, status, value = queue.get(timeout=3600)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(args.tp)]
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -213,16 +129,12 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    folder = None
-    if not args.random_weights:
-        from tpspec.models.loader.resolve import resolve_model
-
-        folder = resolve_model(args.model)
+    folder = model_folder(args)
     logger.info("TP %d over gloo, %d thread(s) per rank, %s, %s, rows %s, %d warm-up + %d repetitions",
                 args.tp, args.threads, args.dtype, folder or f"random {args.vocab}x{args.hidden}", args.rows,
                 args.warmup, args.repeats)
     start = time.perf_counter()
-    per_rank = run_ranks(args, folder)
+    per_rank = run_ranks(_rank_main, args, folder)
     info = {k: per_rank[0][k] for k in ("vocab", "padded_vocab", "hidden")}
     logger.info("done in %.1f s (vocab %d, padded %d, hidden %d)", time.perf_counter() - start,
                 info["vocab"], info["padded_vocab"], info["hidden"])

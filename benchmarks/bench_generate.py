@@ -31,7 +31,7 @@ from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("bench_generate")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -30,18 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
-import traceback
 
 import torch
 from tqdm import tqdm
 
+from lm_head_ranks import TORCH_DTYPES, add_head_args, load_head, model_folder, run_ranks, time_reps
+
 logger = logging.getLogger("bench_vocab_parallel_sampling")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STAGES = ("draft", "verify", "sample")
 MODES = ("gathered", "vocab-parallel")
 SITE = {"draft": "draft.sample", "verify": "verify.sample", "sample": "sample"}
@@ -50,13 +49,7 @@ SITE_SYNC = "bench.sync"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--random-weights", action="store_true", help="random head of --vocab x --hidden, no model needed")
-    p.add_argument("--vocab", type=int, default=49152, help="vocab size with --random-weights")
-    p.add_argument("--hidden", type=int, default=576, help="hidden size with --random-weights")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (gloo ranks)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
+    add_head_args(p)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512], help="sampled rows per call")
     p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     p.add_argument("--k", type=int, default=3, help="draft tokens per request in the verify stage")
@@ -79,46 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- one rank -------------------------------------------------------------------------------
-def _load_head(args, folder: str | None, dtype: torch.dtype):
-    """The LM head (this rank's shard) and the per-channel scale of the hidden states [hidden]."""
-    from tpspec.layers.vocab_parallel import ParallelLMHead
-
-    if folder is None:
-        g = torch.Generator().manual_seed(args.seed)
-        weight = torch.randn(args.vocab, args.hidden, generator=g) * 0.05
-        head = ParallelLMHead(args.vocab, args.hidden, dtype)
-        head.weight_loader(head.weight, weight.to(dtype))
-        return head, torch.ones(args.hidden)
-    from safetensors import safe_open
-
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-        tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in keys
-        sl = f.get_slice("model.embed_tokens.weight" if tied else "lm_head.weight")
-        _, hidden = sl.get_shape()
-        head = ParallelLMHead(cfg["vocab_size"], hidden, dtype)
-        if head.num_real:  # only this rank's rows
-            rows = sl[head.vocab_start : head.vocab_start + head.num_real]
-            head.weight.data[: head.num_real].copy_(rows.to(dtype))
-        norm = f.get_tensor("model.norm.weight").float() if "model.norm.weight" in keys else torch.ones(hidden)
-    return head, norm
-
-
-def _time_reps(fn, warmup: int, repeats: int, sync) -> tuple[list[float], object]:
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return times, out
-
-
 def _metadata(args, rows: int, first_position: int):
     from tpspec.sample.sampler import SamplingMetadata
     from tpspec.sampling_params import SamplingParams
@@ -182,7 +135,7 @@ def _rank_main(args, folder: str | None) -> dict:
     from tpspec.layers.logits import LogitsProcessor
 
     dtype = TORCH_DTYPES[args.dtype]
-    head, norm = _load_head(args, folder, dtype)
+    head, norm = load_head(args, folder, dtype)
     proc = LogitsProcessor(head.vocab_size)
     sync_buf = torch.zeros(1)
 
@@ -199,7 +152,7 @@ def _rank_main(args, folder: str | None) -> dict:
         entry = dict(stage=stage, rows=rows)
         for mode, fn in fns.items():
             comm.reset_comm_stats()
-            times, out = _time_reps(fn, args.warmup, args.repeats, sync)
+            times, out = time_reps(fn, args.warmup, args.repeats, sync)
             stats = {k: v for k, v in comm.get_comm_stats().items() if k not in (SITE_SYNC, "bench.setup")}
             nbytes = sum(v["bytes"] for v in stats.values())
             entry[mode] = dict(times=times, bytes_per_call=nbytes // (args.warmup + args.repeats),
@@ -207,43 +160,6 @@ def _rank_main(args, folder: str | None) -> dict:
                                tokens=out if mode != "lm head" else None)
         results.append(entry)
     return dict(vocab=head.vocab_size, padded_vocab=head.padded_vocab_size, hidden=norm.numel(), results=results)
-
-
-def _entry(rank: int, args, folder: str | None, init_method: str, queue) -> None:
-    from tpspec.distributed.parallel_state import destroy_distributed, init_distributed
-
-    try:
-        torch.set_num_threads(args.threads)
-        init_distributed(rank, args.tp, init_method, "gloo", torch.device("cpu"), 600)
-        queue.put((rank, "ok", _rank_main(args, folder)))
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        destroy_distributed()
-
-
-def run_ranks(args, folder: str | None) -> list[dict]:
-    from tpspec.distributed.parallel_state import get_free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{get_free_port()}"
-    procs = [ctx.Process(target=_entry, args=(r, args, folder, init_method, queue)) for r in range(args.tp)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(args.tp):
-            rank, status, value = queue.get(timeout=3600)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(args.tp)]
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -284,17 +200,13 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    folder = None
-    if not args.random_weights:
-        from tpspec.models.loader.resolve import resolve_model
-
-        folder = resolve_model(args.model)
+    folder = model_folder(args)
     logger.info("TP %d over gloo, %d thread(s) per rank, %s, %s, rows %s, stages %s, temperature %g, "
                 "%d warm-up + %d repetitions", args.tp, args.threads, args.dtype,
                 folder or f"random {args.vocab}x{args.hidden}", args.rows, args.stages, args.temperature,
                 args.warmup, args.repeats)
     start = time.perf_counter()
-    per_rank = run_ranks(args, folder)
+    per_rank = run_ranks(_rank_main, args, folder)
     info = {k: per_rank[0][k] for k in ("vocab", "padded_vocab", "hidden")}
     logger.info("done in %.1f s (vocab %d, padded %d, hidden %d)", time.perf_counter() - start,
                 info["vocab"], info["padded_vocab"], info["hidden"])

@@ -8,7 +8,7 @@ gathered keys, padded to the batch's longest context and masked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,19 @@ class AttentionMetadata:
     query_valid: torch.Tensor  # [num_seqs, max_query] bool
     attn_bias: torch.Tensor  # [num_seqs, 1, 1, max_query, max_context] float32: 0 = attend, -inf = masked
     decode_only: bool  # every sequence feeds exactly one token: no query padding
+    _head_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def head_rows(self, kv_heads: int) -> torch.Tensor:
+        """Rows of a layer's cache viewed as ``[num_slots · kv_heads, head_dim]`` that hold each
+        sequence's keys head by head, ``[num_seqs · kv_heads · max_context]`` (built once per step
+        and head count): gathering them gives ``[num_seqs, kv_heads, max_context, head_dim]``
+        contiguous, the layout the matmuls and SDPA read without another copy."""
+        rows = self._head_rows.get(kv_heads)
+        if rows is None:
+            heads = torch.arange(kv_heads, device=self.context_slots.device)
+            rows = (self.context_slots.unsqueeze(1) * kv_heads + heads[:, None]).view(-1)
+            self._head_rows[kv_heads] = rows
+        return rows
 
     @classmethod
     def build(
@@ -81,7 +94,7 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    K/V are gathered with one ``index_select``. Decode steps in float32 (float16 attends in
+    K/V are gathered head by head with one ``index_select`` each (``AttentionMetadata.head_rows``). Decode steps in float32 (float16 attends in
     float32) go through PyTorch's fused SDPA; everything else (prefill, k + 1 speculative queries,
     bfloat16) through two batched matmuls over [seqs, kv_heads, group, queries, keys].
     """
@@ -117,12 +130,13 @@ class Attention(nn.Module):
         d = self.head_dim
         # CPUs have no fast float16 batched matmul (float32 and bfloat16 do, ~3-10x faster here): attend in float32.
         compute = torch.float32 if q.dtype == torch.float16 and q.device.type == "cpu" else q.dtype
-        flat = md.context_slots.view(-1)
-        keys = k_cache.index_select(0, flat).view(num_seqs, max_ctx, self.num_kv_heads, d).to(compute)
-        values = v_cache.index_select(0, flat).view(num_seqs, max_ctx, self.num_kv_heads, d).to(compute)
+        shape = (num_seqs, self.num_kv_heads, max_ctx, d)
+        rows = md.head_rows(self.num_kv_heads)
+        keys = k_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)  # [seqs, kv_heads, ctx, d]
+        values = v_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)
         q = q.to(compute)
         if not self.uniform_groups:
-            keys, values = keys[:, :, self.kv_head_of_head], values[:, :, self.kv_head_of_head]
+            keys, values = keys[:, self.kv_head_of_head], values[:, self.kv_head_of_head]  # [seqs, heads, ctx, d]
         if md.decode_only and compute == torch.float32:
             return self._decode_sdpa(q, keys, values, md).to(k.dtype)
         if md.decode_only:
@@ -135,10 +149,10 @@ class Attention(nn.Module):
         # Query heads of one KV head and their queries share the matmul's row dimension.
         qg = q_pad.view(num_seqs, max_q, kv_heads, group, d).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(num_seqs, kv_heads, group * max_q, d)  # [seqs, kv, group·q, d]
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1))  # [seqs, kv, group·q, ctx]
+        scores = torch.matmul(qg, keys.transpose(-1, -2))  # [seqs, kv, group·q, ctx]
         scores = scores.float().mul_(self.scale).view(num_seqs, kv_heads, group, max_q, max_ctx)
         probs = torch.softmax(scores.add_(md.attn_bias), dim=-1).to(compute)
-        out = torch.matmul(probs.view(num_seqs, kv_heads, group * max_q, max_ctx), values.permute(0, 2, 1, 3))
+        out = torch.matmul(probs.view(num_seqs, kv_heads, group * max_q, max_ctx), values)  # [seqs, kv, group·q, d]
         out = out.view(num_seqs, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, self.num_heads * d)
         out = out.to(k.dtype)
         return out.view(-1, self.num_heads * d) if md.decode_only else out[md.query_valid]
@@ -146,7 +160,7 @@ class Attention(nn.Module):
     def _decode_sdpa(
         self,
         q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
-        keys: torch.Tensor,  # [num_seqs, max_context, kv_heads, head_dim] (kv_heads = num_heads if groups are uneven)
+        keys: torch.Tensor,  # [num_seqs, kv_heads, max_context, head_dim] (kv_heads = num_heads if groups are uneven)
         values: torch.Tensor,  # same
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [num_seqs, num_heads · head_dim]
@@ -155,6 +169,6 @@ class Attention(nn.Module):
         (In bfloat16 the matmuls are faster; float16 attends in float32.)"""
         mask = md.attn_bias[:, 0] if q.shape[0] > 1 else None  # [num_seqs, 1, 1, max_context]; one sequence has no padding
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [num_seqs, num_heads, 1, head_dim]
         return out.view(-1, self.num_heads * self.head_dim)

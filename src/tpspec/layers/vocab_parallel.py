@@ -13,6 +13,7 @@ from torch import nn
 
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
+from tpspec.layers.linear import linear
 from tpspec.layers.partition import pad_vocab
 
 
@@ -52,4 +53,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> this shard's raw logits [num_rows, shard_size]."""
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)

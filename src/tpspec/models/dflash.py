@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpspec.config import ModelArchConfig, read_config_json
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
-from tpspec.layers.linear import ReplicatedLinear
+from tpspec.layers.linear import ReplicatedLinear, linear
 from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
 from tpspec.layers.rotary import RotaryEmbedding
@@ -123,7 +122,7 @@ class DFlashDraftModel(nn.Module):
             attn = layer.self_attn
             p = attn.qkv_proj
             bias = None if p.bias is None else p.bias[p.q_size :]
-            k, v = F.linear(ctx, p.weight[p.q_size :], bias).split([p.kv_size, p.kv_size], dim=-1)
+            k, v = linear(ctx, p.weight[p.q_size :], bias).split([p.kv_size, p.kv_size], dim=-1)
             k = attn.k_norm(k.view(-1, p.num_local_kv_heads, p.head_dim))
             k = self.rotary.rotate(positions, k)
             k_cache.index_copy_(0, slots, k)
