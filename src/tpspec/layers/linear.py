@@ -23,8 +23,9 @@ def _cols(loaded, start: int, end: int) -> torch.Tensor:
     return loaded[:, start:end]
 
 
-# CPU float16 matmuls are fast as matrix-vector products (~2x bfloat16 here) but several times
-# slower than float32 from a few rows up; past this many rows ``linear`` computes in float32.
+# CPU float16 matmuls are the fastest matrix-vector products (~2.5x bfloat16 here) but fall
+# behind float32 as rows grow (2.8x slower at 100 rows, a prefill); past this many rows
+# ``linear`` computes in float32 (benchmarks/bench_linear_dtypes.py).
 CPU_FLOAT16_MAX_ROWS = 4
 
 
