@@ -94,9 +94,10 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    K/V are gathered head by head with one ``index_select`` each (``AttentionMetadata.head_rows``). Decode steps in float32 (float16 attends in
-    float32) go through PyTorch's fused SDPA; everything else (prefill, k + 1 speculative queries,
-    bfloat16) through two batched matmuls over [seqs, kv_heads, group, queries, keys].
+    K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``).
+    Decode steps in float32 (float16 attends in float32) go through PyTorch's fused SDPA;
+    everything else (prefill, k + 1 speculative queries, bfloat16) through two batched matmuls
+    over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_head_of_head: torch.Tensor):
@@ -128,7 +129,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, md.slot_mapping, v)
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
-        # CPUs have no fast float16 batched matmul (float32 and bfloat16 do, ~3-10x faster here): attend in float32.
+        # CPU float16 batched matmuls are several times slower than float32's: attend in float32.
         compute = torch.float32 if q.dtype == torch.float16 and q.device.type == "cpu" else q.dtype
         shape = (num_seqs, self.num_kv_heads, max_ctx, d)
         rows = md.head_rows(self.num_kv_heads)
@@ -164,9 +165,8 @@ class Attention(nn.Module):
         values: torch.Tensor,  # same
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [num_seqs, num_heads · head_dim]
-        """Decode steps in float32 through PyTorch's fused SDPA: about 1.5x (one sequence) to 2x
-        (32 sequences) faster on CPU than the two matmuls, same result up to float rounding.
-        (In bfloat16 the matmuls are faster; float16 attends in float32.)"""
+        """Decode steps in float32 through PyTorch's fused SDPA, faster on CPU than the two
+        matmuls (not so in bfloat16); the same result up to float rounding."""
         mask = md.attn_bias[:, 0] if q.shape[0] > 1 else None  # [num_seqs, 1, 1, max_context]; one sequence has no padding
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
