@@ -196,9 +196,13 @@ def test_interrupted_step_leaves_the_engine_dead_not_desynchronized(tiny_llama):
 # No `if __name__ == "__main__"` guard: workers are fresh interpreters, not re-imports of this.
 _DRIVER = textwrap.dedent(
     """
+    import signal
     import sys
     from tpspec import LLM, SamplingParams
 
+    # Ctrl-C as in a terminal's foreground job, whatever this test inherited (a shell's
+    # background job starts with SIGINT ignored, and Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=64, max_model_len=128)
     print(" ".join(str(p.pid) for p in llm.llm_engine.executor.workers), flush=True)
     if sys.argv[2] == "exception":

@@ -72,9 +72,9 @@ def _worker_main(
     _die_with_parent()
     if os.getppid() != driver_pid:  # the driver died before the death signal was armed
         os._exit(1)
-    # Ctrl-C in a terminal reaches the whole process group. The driver handles it and shuts the
-    # workers down; a worker interrupted on its own could hang in its exit (torch/gloo teardown)
-    # while the driver waits for it inside a collective, where Python signals are not handled.
+    # Ctrl-C in a terminal reaches the whole process group. It is the driver's to handle (it shuts
+    # the workers down, or kills them when the interrupt cut a step short); a worker quitting on
+    # its own would leave mid-collective and race the driver's handling with a dead-worker error.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"[tpspec worker {rank}] %(levelname)s %(message)s")
     tp = config.parallel.tensor_parallel_size
