@@ -25,18 +25,20 @@ class AttentionMetadata:
     query_valid: torch.Tensor  # [num_seqs, max_query] bool
     attn_bias: torch.Tensor  # [num_seqs, 1, 1, max_query, max_context] float32: 0 = attend, -inf = masked
     decode_only: bool  # every sequence feeds exactly one token: no query padding
-    _head_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _head_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def head_rows(self, kv_heads: int) -> torch.Tensor:
+    def head_rows(self, kv_heads: int, heads: tuple[int, ...]) -> torch.Tensor:
         """Rows of a layer's cache viewed as ``[num_slots · kv_heads, head_dim]`` that hold each
-        sequence's keys head by head, ``[num_seqs · kv_heads · max_context]`` (built once per step
-        and head count): gathering them gives ``[num_seqs, kv_heads, max_context, head_dim]``
-        contiguous, the layout the matmuls and SDPA read without another copy."""
-        rows = self._head_rows.get(kv_heads)
+        sequence's keys for the given KV heads, head by head: ``[num_seqs · len(heads) ·
+        max_context]`` (built once per step and head list). Gathering them gives ``[num_seqs,
+        len(heads), max_context, head_dim]`` contiguous, the layout the matmuls and SDPA read
+        without another copy."""
+        key = (kv_heads, *heads)
+        rows = self._head_rows.get(key)
         if rows is None:
-            heads = torch.arange(kv_heads, device=self.context_slots.device)
-            rows = (self.context_slots.unsqueeze(1) * kv_heads + heads[:, None]).view(-1)
-            self._head_rows[kv_heads] = rows
+            index = torch.tensor(heads, device=self.context_slots.device)
+            rows = (self.context_slots.unsqueeze(1) * kv_heads + index[:, None]).view(-1)
+            self._head_rows[key] = rows
         return rows
 
     @classmethod
@@ -106,15 +108,15 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        # Local KV head read by each local query head. With uniform groups, query heads are viewed
-        # as [kv_heads, group]; an uneven head split (e.g. 9 heads over 4 ranks) gathers K/V per
-        # query head instead.
-        self.register_buffer("kv_head_of_head", kv_head_of_head, persistent=False)  # [num_heads]
+        # kv_head_of_head [num_heads]: the local KV head each local query head reads. With uniform
+        # groups, query heads are viewed as [kv_heads, group] and each KV head is gathered once; an
+        # uneven head split (e.g. 9 heads over 2 ranks) gathers K/V per query head instead.
         group = num_heads // num_kv_heads
         self.uniform_groups = bool(
             num_heads % num_kv_heads == 0
             and torch.equal(kv_head_of_head, torch.arange(num_heads) // group)
         )
+        self.gathered_heads = tuple(range(num_kv_heads)) if self.uniform_groups else tuple(kv_head_of_head.tolist())
 
     def forward(
         self,
@@ -131,13 +133,12 @@ class Attention(nn.Module):
         d = self.head_dim
         # CPU float16 batched matmuls are several times slower than float32's: attend in float32.
         compute = torch.float32 if q.dtype == torch.float16 and q.device.type == "cpu" else q.dtype
-        shape = (num_seqs, self.num_kv_heads, max_ctx, d)
-        rows = md.head_rows(self.num_kv_heads)
-        keys = k_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)  # [seqs, kv_heads, ctx, d]
+        # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
+        shape = (num_seqs, len(self.gathered_heads), max_ctx, d)
+        rows = md.head_rows(self.num_kv_heads, self.gathered_heads)
+        keys = k_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)
         values = v_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)
         q = q.to(compute)
-        if not self.uniform_groups:
-            keys, values = keys[:, self.kv_head_of_head], values[:, self.kv_head_of_head]  # [seqs, heads, ctx, d]
         if md.decode_only and compute == torch.float32:
             return self._decode_sdpa(q, keys, values, md).to(k.dtype)
         if md.decode_only:
