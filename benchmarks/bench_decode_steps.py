@@ -1,0 +1,48 @@
+"""Decode steps alone: output tokens per second once every request has been prefilled.
+
+Submits the first ``--batch`` HumanEval prompts at once (greedy, ``ignore_eos``, ``--max-tokens``
+each), runs the first engine step (the prefill) untimed, then times every step to the end:
+throughput = batch · decode steps / time, and the median step. ``bench_generate.py`` measures
+whole requests, prefill included; this isolates the per-token path (attention, matmuls, sampling).
+
+  python3 benchmarks/bench_decode_steps.py --tp 2 --dtype bfloat16 --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tpspec.bench.datasets import humaneval_prompts
+from tpspec.llm import LLM
+from tpspec.sampling_params import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype)
+    llm.generate(humaneval_prompts()[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for prompt in humaneval_prompts()[: args.batch]:
+        engine.add_request(prompt, params)
+    engine.step()  # prefill (the whole batch fits one step's token budget by default)
+    steps = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    elapsed = time.perf_counter() - start
+    print(f"{args.dtype} TP {args.tp} batch {args.batch}: {len(steps)} decode steps, "
+          f"{args.batch * len(steps) / elapsed:.1f} tok/s, median step {1e3 * statistics.median(steps):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
