@@ -146,7 +146,7 @@ class Attention(nn.Module):
         else:
             q_pad = torch.cat([q, q.new_zeros(1, self.num_heads, d)])[md.query_index]  # [num_seqs, max_q, heads, d]
         max_q = q_pad.shape[1]
-        kv_heads = self.num_kv_heads if self.uniform_groups else self.num_heads
+        kv_heads = len(self.gathered_heads)
         group = self.num_heads // kv_heads
         # Query heads of one KV head and their queries share the matmul's row dimension.
         qg = q_pad.view(num_seqs, max_q, kv_heads, group, d).permute(0, 2, 3, 1, 4)
