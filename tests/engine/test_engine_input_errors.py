@@ -4,7 +4,6 @@ and the engine keeps serving other requests."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import psutil

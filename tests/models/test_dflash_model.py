@@ -22,7 +22,7 @@ def _inputs(width: int):
 def _serving(target_folder: str, draft_folder: str):
     """Run on every rank: write the context, run one block; returns (hidden, top tokens)."""
     from tpspec.config import ModelArchConfig
-    from tpspec.layers.attention import AttentionMetadata
+    from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
     from tpspec.models.dflash import DFlashConfig, DFlashDraftModel
     from tpspec.models.llama import LlamaForCausalLM
     from tpspec.models.loader.safetensors import iterate_weights
@@ -33,10 +33,8 @@ def _serving(target_folder: str, draft_folder: str):
     model = DFlashDraftModel(cfg, target)
     loaded = model.load_weights(iterate_weights(draft_folder))
     assert loaded == {n for n, _ in model.named_parameters()}
-    kv_heads, d = model.kv_cache_shape
     block_size, num_blocks = 4, 8
-    kv = [(torch.zeros(num_blocks * block_size, kv_heads, d), torch.zeros(num_blocks * block_size, kv_heads, d))
-          for _ in range(cfg.arch.num_hidden_layers)]
+    kv = allocate_kv_cache(cfg.arch.num_hidden_layers, num_blocks * block_size, model.kv_cache_shape, torch.float32)
     table = [5, 2, 7, 0, 3]  # scattered blocks: slots come from the table
     features, block_ids = _inputs(len(cfg.target_layer_ids) * cfg.arch.hidden_size)
     pos = torch.arange(CTX)

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from tests.distributed_utils import run_distributed
 from tpspec.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig, SpeculativeConfig
 from tpspec.distributed import comm
-from tpspec.layers.attention import AttentionMetadata
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
 from tpspec.models.llama import LlamaForCausalLM
 from tpspec.models.loader.safetensors import iterate_weights
@@ -197,9 +197,8 @@ def _target(folder: str) -> LlamaForCausalLM:
 
 def _captured(target: LlamaForCausalLM, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
     """tpspec's target features of a whole sequence, as the runner concatenates them [T, n·H]."""
-    kv_heads, d = target.kv_cache_shape
     n = len(tokens)
-    caches = [(torch.zeros(n, kv_heads, d), torch.zeros(n, kv_heads, d)) for _ in target.layers]
+    caches = allocate_kv_cache(len(target.layers), n, target.kv_cache_shape, torch.float32)
     md = AttentionMetadata.build([n], [n], [list(range(n))], 1, torch.device("cpu"))
     with torch.inference_mode():
         _, captured = target(torch.tensor(tokens), torch.arange(n), caches, md, layers)

@@ -8,7 +8,7 @@ import torch
 
 from tests.distributed_utils import run_distributed
 from tpspec.config import ModelArchConfig
-from tpspec.layers.attention import AttentionMetadata
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 
@@ -22,8 +22,7 @@ def _our_logits(folder: str, prompts: list[list[int]], split: int) -> list[torch
     arch = ModelArchConfig.from_folder(folder)
     model = get_model_class(arch.architecture)(arch, torch.float32)
     model.load_weights(iterate_weights(folder, show_progress=False))
-    kv_heads, d = model.kv_cache_shape
-    caches = [(torch.zeros(64 * BLOCK, kv_heads, d), torch.zeros(64 * BLOCK, kv_heads, d)) for _ in model.layers]
+    caches = allocate_kv_cache(len(model.layers), 64 * BLOCK, model.kv_cache_shape, torch.float32)
     # Interleaved block tables, so sequences really are paged.
     tables = [[3 * j + i for j in range(8)] for i in range(len(prompts))]
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -80,8 +79,7 @@ def test_captured_hidden_states_match_transformers(tiny_llama):
     arch = ModelArchConfig.from_folder(tiny_llama)
     model = get_model_class(arch.architecture)(arch)
     model.load_weights(iterate_weights(tiny_llama, show_progress=False))
-    kv_heads, d = model.kv_cache_shape
-    caches = [(torch.zeros(16 * BLOCK, kv_heads, d), torch.zeros(16 * BLOCK, kv_heads, d)) for _ in model.layers]
+    caches = allocate_kv_cache(len(model.layers), 16 * BLOCK, model.kv_cache_shape, torch.float32)
     p = PROMPTS[0]
     md = AttentionMetadata.build([len(p)], [len(p)], [list(range(16))], BLOCK, torch.device("cpu"))
     with torch.inference_mode():

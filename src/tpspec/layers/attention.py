@@ -15,6 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def allocate_kv_cache(
+    num_layers: int,
+    num_slots: int,
+    kv_cache_shape: tuple[int, int],  # (kv_heads, head_dim) per slot, a model's ``kv_cache_shape``
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A paged KV cache: per layer, zeroed K and V of ``[num_slots, kv_heads, head_dim]``."""
+    shape = (num_slots, *kv_cache_shape)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step tensors, built once by the model runner and shared by every layer."""
@@ -56,7 +71,6 @@ class AttentionMetadata:
         ``non_causal_tail[i]`` > 0 lets the last that many queries of sequence i see each other
         in both directions (a parallel draft block); causal everywhere else.
         """
-        num_seqs = len(query_lens)
         max_q, max_ctx = max(query_lens), max(context_lens)
         num_tokens = sum(query_lens)
         pos = torch.arange(max_ctx)
@@ -112,11 +126,8 @@ class Attention(nn.Module):
         # groups, query heads are viewed as [kv_heads, group] and each KV head is gathered once; an
         # uneven head split (e.g. 9 heads over 2 ranks) gathers K/V per query head instead.
         group = num_heads // num_kv_heads
-        self.uniform_groups = bool(
-            num_heads % num_kv_heads == 0
-            and torch.equal(kv_head_of_head, torch.arange(num_heads) // group)
-        )
-        self.gathered_heads = tuple(range(num_kv_heads)) if self.uniform_groups else tuple(kv_head_of_head.tolist())
+        uniform_groups = num_heads % num_kv_heads == 0 and torch.equal(kv_head_of_head, torch.arange(num_heads) // group)
+        self.gathered_heads = tuple(range(num_kv_heads)) if uniform_groups else tuple(kv_head_of_head.tolist())
 
     def forward(
         self,

@@ -18,6 +18,7 @@ import torch
 
 from tpspec.config import EngineConfig, SpeculativeConfig
 from tpspec.distributed import comm
+from tpspec.layers.attention import allocate_kv_cache
 from tpspec.sample.sampler import SamplingMetadata
 from tpspec.spec_decode.draft_sampling import sample_draft_full, sample_draft_shard
 
@@ -97,13 +98,8 @@ class DraftModelSpeculator:
         raise NotImplementedError
 
     def _allocate_kv(self, model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The drafter's paged KV cache: per layer, K and V of ``[num_kv_slots, kv_heads, head_dim]``."""
-        kv_heads, head_dim = model.kv_cache_shape
-        shape = (self.num_kv_slots, kv_heads, head_dim)
-        return [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
-            for _ in range(num_layers)
-        ]
+        """The drafter's paged KV cache, ``num_kv_slots`` slots (the target's block tables address it)."""
+        return allocate_kv_cache(num_layers, self.num_kv_slots, model.kv_cache_shape, model.dtype, self.device)
 
     def _validate_local_argmax_reduction(self) -> None:
         if not self.use_local_argmax_reduction:

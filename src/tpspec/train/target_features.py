@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tpspec.config import ModelArchConfig
-from tpspec.layers.attention import AttentionMetadata
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 
@@ -33,12 +33,7 @@ class TargetFeatureExtractor:
             blocks = (n + BLOCK - 1) // BLOCK
             tables.append(list(range(next_block, next_block + blocks)))
             next_block += blocks
-        kv_heads, head_dim = self.model.kv_cache_shape
-        slots = next_block * BLOCK
-        kv = [
-            (torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype), torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype))
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        kv = allocate_kv_cache(self.arch.num_hidden_layers, next_block * BLOCK, self.model.kv_cache_shape, self.dtype)
         md = AttentionMetadata.build(lens, lens, tables, BLOCK, torch.device("cpu"))
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
         pos = torch.cat([torch.arange(n) for n in lens])

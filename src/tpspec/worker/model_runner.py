@@ -16,7 +16,7 @@ import torch
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
-from tpspec.layers.attention import AttentionMetadata
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.sample import vocab_parallel
@@ -72,15 +72,10 @@ class ModelRunner:
             raise ValueError(f"checkpoint {self.config.model!r} lacks weights: {sorted(missing)[:5]}")
         self.model.eval()
         self.num_blocks = num_kv_blocks(self.config)
-        kv_heads, head_dim = self.model.kv_cache_shape
-        slots = self.num_blocks * self.block_size
-        self.kv_caches = [
-            (
-                torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device),
-                torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.config.arch.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_cache(
+            self.config.arch.num_hidden_layers, self.num_blocks * self.block_size, self.model.kv_cache_shape,
+            self.dtype, self.device,
+        )
         logger.info(
             "rank %d: loaded %d tensors (%d local parameters) in %.1f s; KV cache %d blocks of %d tokens",
             get_tp_rank(), len(loaded), sum(p.numel() for p in self.model.parameters()),
