@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--torch-compile", action="store_true", help="compiled decode steps (EngineConfig.torch_compile)")
     args = p.parse_args(argv)
-    llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype)
+    llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype, torch_compile=args.torch_compile)
     llm.generate(humaneval_prompts()[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
         steps.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - start
-    print(f"{args.dtype} TP {args.tp} batch {args.batch}: {len(steps)} decode steps, "
+    compiled = ", compiled" if args.torch_compile else ""
+    print(f"{args.dtype} TP {args.tp}{compiled} batch {args.batch}: {len(steps)} decode steps, "
           f"{args.batch * len(steps) / elapsed:.1f} tok/s, median step {1e3 * statistics.median(steps):.1f} ms")
 
 

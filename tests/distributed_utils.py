@@ -10,7 +10,7 @@ import torch
 from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, init_distributed
 
 
-def _entry(fn, rank, world_size, init_method, args, queue):
+def _entry(fn, rank, world_size, init_method, args, queue, received):
     try:
         torch.set_num_threads(1)
         init_distributed(rank, world_size, init_method, "gloo", torch.device("cpu"), 120)
@@ -20,14 +20,19 @@ def _entry(fn, rank, world_size, init_method, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         destroy_distributed()
+        # A tensor in the queue travels as a shared-memory file descriptor that this process
+        # hands over when the parent unpickles it: stay alive until the parent has them all.
+        received.wait(60)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120):
     """``fn(*args)`` on each rank; returns the per-rank results (rank order). ``fn`` must be picklable."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, received = ctx.Queue(), ctx.Event()
     init_method = f"tcp://127.0.0.1:{get_free_port()}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, queue, received)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -38,6 +43,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120):
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
+        received.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--sampling-mode", default="gathered", choices=["gathered", "vocab-parallel"], help="vocab-parallel: every rank samples and verifies from its own vocab shard, O(tp) bytes per row instead of O(vocab); same tokens")
+    p.add_argument("--torch-compile", action="store_true", help="run decode steps through torch.compile'd decoder layers: faster on CPU; compiles at start-up (tens of seconds, cached on disk)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,6 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         speculative_config=args.speculative_config,
         sampling_mode=args.sampling_mode,
+        torch_compile=args.torch_compile,
     )
 
 

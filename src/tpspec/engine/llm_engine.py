@@ -112,6 +112,7 @@ class LLMEngine:
         enable_chunked_prefill: bool = True,
         speculative_config: dict | str | SpeculativeConfig | None = None,
         sampling_mode: str = "gathered",
+        torch_compile: bool = False,
     ) -> "LLMEngine":
         device_kind = _device_kind(device)
         spec = speculative_config
@@ -138,6 +139,7 @@ class LLMEngine:
             speculative=spec,
             draft_arch=draft_arch,
             sampling_mode=sampling_mode,
+            torch_compile=torch_compile,
         )
         from tpspec.models.registry import get_model_class
 

@@ -15,15 +15,26 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def kv_cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype K/V are cached in: the model's, except float16 on CPU, cached in float32 since
+    it attends in float32 (``Attention``); upcasting each new token once beats upcasting the
+    whole context in every layer of every step."""
+    if model_dtype == torch.float16 and torch.device(device).type == "cpu":
+        return torch.float32
+    return model_dtype
+
+
 def allocate_kv_cache(
     num_layers: int,
     num_slots: int,
     kv_cache_shape: tuple[int, int],  # (kv_heads, head_dim) per slot, a model's ``kv_cache_shape``
-    dtype: torch.dtype,
+    model_dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A paged KV cache: per layer, zeroed K and V of ``[num_slots, kv_heads, head_dim]``."""
+    """A paged KV cache: per layer, zeroed K and V of ``[num_slots, kv_heads, head_dim]`` in
+    ``kv_cache_dtype(model_dtype, device)``."""
     shape = (num_slots, *kv_cache_shape)
+    dtype = kv_cache_dtype(model_dtype, device)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
@@ -129,6 +140,10 @@ class Attention(nn.Module):
         uniform_groups = num_heads % num_kv_heads == 0 and torch.equal(kv_head_of_head, torch.arange(num_heads) // group)
         self.gathered_heads = tuple(range(num_kv_heads)) if uniform_groups else tuple(kv_head_of_head.tolist())
 
+    def context_rows(self, md: AttentionMetadata) -> torch.Tensor:
+        """[num_seqs · len(gathered_heads) · max_context] rows of the cache that K/V are gathered from."""
+        return md.head_rows(self.num_kv_heads, self.gathered_heads)
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -138,17 +153,18 @@ class Attention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads · head_dim]
         k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, md.slot_mapping, k)
-        v_cache.index_copy_(0, md.slot_mapping, v)
+        # CPU float16 batched matmuls are several times slower than float32's: float16 attends in
+        # float32, which its cache is kept in (kv_cache_dtype); otherwise compute = the model's dtype.
+        compute = k_cache.dtype
+        k_cache.index_copy_(0, md.slot_mapping, k.to(compute))
+        v_cache.index_copy_(0, md.slot_mapping, v.to(compute))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
-        # CPU float16 batched matmuls are several times slower than float32's: attend in float32.
-        compute = torch.float32 if q.dtype == torch.float16 and q.device.type == "cpu" else q.dtype
         # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
         shape = (num_seqs, len(self.gathered_heads), max_ctx, d)
-        rows = md.head_rows(self.num_kv_heads, self.gathered_heads)
-        keys = k_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)
-        values = v_cache.view(-1, d).index_select(0, rows).view(shape).to(compute)
+        rows = self.context_rows(md)
+        keys = k_cache.view(-1, d).index_select(0, rows).view(shape)
+        values = v_cache.view(-1, d).index_select(0, rows).view(shape)
         q = q.to(compute)
         if md.decode_only and compute == torch.float32:
             return self._decode_sdpa(q, keys, values, md).to(k.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,28 +31,38 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     return inv
 
 
+class RopeAngles(NamedTuple):
+    """The rotation of one step's tokens, computed once and shared by every layer."""
+
+    cos: torch.Tensor  # [num_tokens, 1, head_dim] cos(pθ)
+    sin: torch.Tensor  # [num_tokens, 1, head_dim] sin(pθ), first half negated (the rotate-half sign)
+
+
 class RotaryEmbedding(nn.Module):
-    """x' = x·cos(pθ) + rotate_half(x)·sin(pθ) for query and key heads at positions p."""
+    """x' = x·cos(pθ) + rotate_half(x)·sin(pθ) for query and key heads at positions p.
+
+    rotate_half(x)·sin = roll(x, head_dim/2)·[-sin | sin]: the sign lives in the ``sin`` table,
+    so a rotation is one roll and three elementwise ops, rounded as Hugging Face's.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
         inv = _inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
+        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])  # [head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", emb.sin() * sign, persistent=False)  # [max_pos, head_dim], signed
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        """positions: [num_tokens] -> their cos/sin in ``dtype`` (that of the heads they rotate)."""
+        return RopeAngles(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+    def apply(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim] -> x rotated by its tokens' angles."""
+        return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [num_tokens]; x: [num_tokens, heads, head_dim] -> x rotated by its positions."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        return x * cos + self._rotate_half(x) * sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
-        return self.rotate(positions, q), self.rotate(positions, k)
+        return self.apply(x, self.angles(positions, x.dtype))

@@ -95,12 +95,11 @@ class DFlashDraftModel(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self._borrowed = (target,)  # borrowed, not a submodule: its weights are not ours to load
-        rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
         n = len(cfg.target_layer_ids)
         self.fc = ReplicatedLinear(n * a.hidden_size, a.hidden_size, False, dtype)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(a, rotary, dtype, qk_norm=True) for _ in range(a.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(a, dtype, qk_norm=True) for _ in range(a.num_hidden_layers)])
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         _, (k0, k1) = head_partition(a.num_attention_heads, a.num_key_value_heads, get_tp_size(), get_tp_rank())
         self.kv_cache_shape = (k1 - k0, a.head_dim)  # per slot, per layer
@@ -125,8 +124,8 @@ class DFlashDraftModel(nn.Module):
             k, v = linear(ctx, p.weight[p.q_size :], bias).split([p.kv_size, p.kv_size], dim=-1)
             k = attn.k_norm(k.view(-1, p.num_local_kv_heads, p.head_dim))
             k = self.rotary.rotate(positions, k)
-            k_cache.index_copy_(0, slots, k)
-            v_cache.index_copy_(0, slots, v.view(-1, p.num_local_kv_heads, p.head_dim))
+            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v.view(-1, p.num_local_kv_heads, p.head_dim).to(v_cache.dtype))
 
     def forward(
         self,
@@ -137,8 +136,9 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:
         """Returns the final-norm hidden states of the block tokens [num_block_tokens, hidden_size]."""
         hidden, residual = input_embeds.to(self.dtype), None
+        rope = self.rotary.angles(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, md)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, md)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -31,7 +31,7 @@ from tpspec.layers.linear import QKVParallelLinear, ReplicatedLinear
 from tpspec.layers.logits import LogitsProcessor
 from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
-from tpspec.layers.rotary import RotaryEmbedding
+from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tpspec.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from tpspec.models.weights import checkpoint_target
@@ -126,9 +126,9 @@ class Eagle3DecoderLayer(nn.Module):
     """The midlayer: a Llama decoder layer whose attention input is
     ``cat(input_layernorm(embeds), hidden_norm(hidden))`` [num_tokens, 2H]."""
 
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, norm_before_residual: bool):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, norm_before_residual: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, qk_norm=False)
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm=False)
         # Same head split as the H-input projection it replaces, so o_proj and the KV heads still match.
         self.self_attn.qkv_proj = QKVParallelLinear(
             2 * cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, dtype
@@ -141,7 +141,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
+        rope: RopeAngles,  # of the tokens' positions
         embeds: torch.Tensor,  # [num_tokens, H]
         hidden: torch.Tensor,  # [num_tokens, H]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -151,7 +151,7 @@ class Eagle3DecoderLayer(nn.Module):
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [num_tokens, 2H]
-        x = self.self_attn(positions, x, kv_cache, md)
+        x = self.self_attn(rope, x, kv_cache, md)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -193,9 +193,9 @@ class Eagle3LlamaForCausalLM(nn.Module):
         else:
             self._borrowed = (target_embed,)  # the target's, not a submodule: its weights are not ours to load
         with self._body():
-            rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+            self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
             self.fc = ReplicatedLinear(len(self.fc_layers) * cfg.target_hidden_size, a.hidden_size, False, dtype)
-            self.midlayer = Eagle3DecoderLayer(a, rotary, dtype, cfg.norm_before_residual)
+            self.midlayer = Eagle3DecoderLayer(a, dtype, cfg.norm_before_residual)
             self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
             _, (k0, k1) = head_partition(a.num_attention_heads, a.num_key_value_heads, get_tp_size(), get_tp_rank())
         self.kv_cache_shape = (k1 - k0, a.head_dim)  # per slot, one layer
@@ -226,7 +226,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         """Returns (normed [num_tokens, H] for the LM head, prenorm [num_tokens, H] for the next step)."""
         embeds = self.embedding(input_ids)  # [num_tokens, H], vocab-split: one all-reduce
         with self._body():
-            out, residual = self.midlayer(positions, embeds, hidden, kv_cache, md)
+            out, residual = self.midlayer(self.rotary.angles(positions, self.dtype), embeds, hidden, kv_cache, md)
             return self.norm(out, residual)
 
     def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:

@@ -15,14 +15,14 @@ from tpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from tpspec.layers.logits import LogitsProcessor
 from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
-from tpspec.layers.rotary import RotaryEmbedding
+from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tpspec.models.weights import checkpoint_target
 from tpspec.sample.vocab_parallel import LogitsShard
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, qk_norm: bool):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, qk_norm: bool):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, dtype)
@@ -33,11 +33,10 @@ class LlamaAttention(nn.Module):
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         kv_of_head = torch.arange(q0, q1) // group - self.qkv_proj.kv_heads[0]
         self.attn = Attention(self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads, d, kv_of_head)
-        self.rotary = rotary
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if qk_norm else None
 
-    def forward(self, positions, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeAngles, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2·kv_heads)·d]
         p = self.qkv_proj
         d = p.head_dim
@@ -45,13 +44,13 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, p.num_local_kv_heads, d)
         if self.q_norm is None:
             # Query and key heads side by side: one rotation for both.
-            qk = self.rotary.rotate(positions, qk.view(-1, p.num_local_heads + p.num_local_kv_heads, d))
+            qk = RotaryEmbedding.apply(qk.view(-1, p.num_local_heads + p.num_local_kv_heads, d), rope)
             q, k = qk.split([p.num_local_heads, p.num_local_kv_heads], dim=1)
         else:
             q, k = qk.split([p.q_size, p.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, p.num_local_heads, d))
             k = self.k_norm(k.view(-1, p.num_local_kv_heads, d))
-            q, k = self.rotary(positions, q, k)
+            q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
@@ -66,22 +65,27 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, qk_norm: bool):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, qk_norm: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, qk_norm)
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, residual, kv_cache, md):
+    def forward(self, rope: RopeAngles, hidden, residual, kv_cache, md):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, md)
+        hidden = self.self_attn(rope, hidden, kv_cache, md)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def _call_layer(layer: LlamaDecoderLayer, rope, hidden, residual, kv_cache, md):
+    """One decoder layer; ``torch.compile``d once for all layers (their weights are inputs)."""
+    return layer(rope, hidden, residual, kv_cache, md)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -102,11 +106,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, rotary, dtype, self.qk_norm) for _ in range(cfg.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, dtype, self.qk_norm) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
@@ -114,6 +116,15 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
         _, (k0, k1) = head_partition(cfg.num_attention_heads, cfg.num_key_value_heads, get_tp_size(), get_tp_rank())
         self.kv_cache_shape = (k1 - k0, cfg.head_dim)  # per slot, per layer
+        self._compiled_layer = None  # compile_decode_layers()
+
+    def compile_decode_layers(self) -> None:
+        """Run decode steps (one query per sequence) through a ``torch.compile``d decoder layer:
+        fused elementwise kernels instead of ~40 dispatched ops per layer, which dominate small
+        decode batches on CPU. Other steps (prefill, k + 1 speculative queries) stay eager.
+        Compilation happens on first use (the engine's is at start-up: ModelRunner.compile_decode);
+        shapes are dynamic, so a few graphs serve every batch size and context length."""
+        self._compiled_layer = torch.compile(_call_layer, dynamic=True)
 
     def forward(
         self,
@@ -127,10 +138,15 @@ class LlamaForCausalLM(nn.Module):
         """Returns final-norm hidden states [num_tokens, hidden_size] and, for each layer id L in
         ``capture_layers``, the output of layer L (Hugging Face ``hidden_states[L + 1]``)."""
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        residual = None
+        rope = self.rotary.angles(positions, self.dtype)
+        run_layer, residual = _call_layer, None
+        if md.decode_only and self._compiled_layer is not None:
+            run_layer = self._compiled_layer
+            self.layers[0].self_attn.attn.context_rows(md)  # memoized per step: built here, outside the graph
+            residual = torch.zeros_like(hidden)  # the same sums as None, and one graph for every layer
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i], md)
+            hidden, residual = run_layer(layer, rope, hidden, residual, kv_caches[i], md)
             if i in capture_layers:
                 captured[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)

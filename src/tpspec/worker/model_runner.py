@@ -12,11 +12,13 @@ import time
 from dataclasses import replace
 
 import torch
+from tqdm import tqdm
 
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
-from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
+from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.sample import vocab_parallel
@@ -42,13 +44,19 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Decode steps run at start-up with ``torch_compile``, as (batch size, context blocks): a size that
+# changes between two compilations becomes dynamic in the next graph (torch.compile's automatic
+# dynamic shapes), size 1 is always specialized, and ``layers.linear.linear`` branches past
+# CPU_FLOAT16_MAX_ROWS rows. After these, no batch size or context length compiles again.
+COMPILE_DECODE_WARMUP = ((1, 1), (1, 2), (2, 1), (CPU_FLOAT16_MAX_ROWS + 1, 2))
 
-def num_kv_blocks(config: EngineConfig) -> int:
+
+def num_kv_blocks(config: EngineConfig, device: torch.device) -> int:
     """Blocks that fit the KV budget, computed from the whole model so every rank agrees."""
     if config.cache.num_gpu_blocks is not None:
         return config.cache.num_gpu_blocks
     a = config.arch
-    elem = torch.empty(0, dtype=DTYPES[config.dtype]).element_size()
+    elem = kv_cache_dtype(DTYPES[config.dtype], device).itemsize
     per_block = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * config.cache.block_size * elem
     return max(1, int(config.cache.kv_cache_memory_gb * (1 << 30)) // per_block)
 
@@ -71,7 +79,7 @@ class ModelRunner:
         if missing:
             raise ValueError(f"checkpoint {self.config.model!r} lacks weights: {sorted(missing)[:5]}")
         self.model.eval()
-        self.num_blocks = num_kv_blocks(self.config)
+        self.num_blocks = num_kv_blocks(self.config, self.device)
         self.kv_caches = allocate_kv_cache(
             self.config.arch.num_hidden_layers, self.num_blocks * self.block_size, self.model.kv_cache_shape,
             self.dtype, self.device,
@@ -81,7 +89,27 @@ class ModelRunner:
             get_tp_rank(), len(loaded), sum(p.numel() for p in self.model.parameters()),
             time.perf_counter() - t0, self.num_blocks, self.block_size,
         )
+        if self.config.torch_compile:
+            self.compile_decode()
         self.load_speculator()
+
+    @torch.inference_mode()
+    def compile_decode(self) -> None:
+        """Compile the target's decode steps now (``torch_compile``), not on the first requests:
+        the dummy decode steps of ``COMPILE_DECODE_WARMUP``, in the first blocks (no request owns
+        a block yet)."""
+        t0 = time.perf_counter()
+        self.model.compile_decode_layers()
+        steps = tqdm(COMPILE_DECODE_WARMUP, desc="Compiling decode steps", unit="step", disable=get_tp_rank() != 0, leave=False)
+        for batch, blocks in steps:
+            blocks = min(blocks, self.num_blocks)
+            ctx = blocks * self.block_size
+            table = list(range(blocks))
+            md = AttentionMetadata.build([1] * batch, [ctx] * batch, [table] * batch, self.block_size, self.device)
+            ids = torch.zeros(batch, dtype=torch.int64, device=self.device)
+            positions = torch.full((batch,), ctx - 1, device=self.device)
+            self.model(ids, positions, self.kv_caches, md)
+        logger.info("rank %d: compiled decode steps in %.1f s", get_tp_rank(), time.perf_counter() - t0)
 
     def load_speculator(self) -> None:
         """Build the model-based drafter, if the engine speculates with one (ngram runs on the driver)."""

@@ -1,0 +1,56 @@
+"""``torch_compile=True``: decode steps through the compiled decoder layer give the eager engine's
+tokens (float32, greedy and seeded, TP 1 and 2), and every graph is compiled at start-up: serving
+batches of other sizes and contexts of every length compiles nothing more."""
+
+from __future__ import annotations
+
+import pytest
+import torch._dynamo.utils
+
+from tpspec import LLM, SamplingParams
+
+# 1 to ~20 tokens with the tiny tokenizer; 7 at once passes CPU_FLOAT16_MAX_ROWS + 1 decode rows.
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "import",
+    "Tensor parallelism splits the vocabulary across ranks, and",
+    "for i in range(10):",
+    "class",
+    "Speculative decoding drafts tokens that the target then verifies",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=1.5, seed=20 + i, top_p=0.95, max_tokens=20, ignore_eos=True) for i in range(3)]
+
+
+def _generate(folder: str, tp: int, torch_compile: bool) -> dict:
+    with LLM(folder, tensor_parallel_size=tp, num_kv_blocks=96, max_model_len=128, torch_compile=torch_compile) as llm:
+        graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        one_at_a_time = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
+        batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], SEEDED, use_tqdm=False)]
+        graphs_after = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return dict(tokens=(one_at_a_time, batched, seeded), new_graphs=graphs_after - graphs_at_start,
+                graphs_at_start=graphs_at_start)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, request):
+    folder = request.getfixturevalue(fixture)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager = _generate(folder, 1, torch_compile=False)
+    assert eager["graphs_at_start"] == 0 and eager["new_graphs"] == 0
+    compiled = _generate(folder, 1, torch_compile=True)
+    # The driver is rank 0: its compilations are counted here.
+    assert compiled["graphs_at_start"] >= 1
+    assert compiled["new_graphs"] == 0
+    assert compiled["tokens"] == eager["tokens"]
+    assert all(len(t) == 20 for group in compiled["tokens"] for t in group)
+
+
+def test_compiled_decode_at_tp2_equals_eager_tp1(tiny_llama):
+    """The row-parallel all-reduce runs eagerly between the compiled pieces of each layer."""
+    eager = _generate(tiny_llama, 1, torch_compile=False)
+    compiled = _generate(tiny_llama, 2, torch_compile=True)
+    assert compiled["tokens"] == eager["tokens"]
