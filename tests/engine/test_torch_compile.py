@@ -37,7 +37,6 @@ def _generate(folder: str, tp: int, torch_compile: bool) -> dict:
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
 def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, request):
     folder = request.getfixturevalue(fixture)
-    torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = _generate(folder, 1, torch_compile=False)
     assert eager["graphs_at_start"] == 0 and eager["new_graphs"] == 0

@@ -58,11 +58,11 @@ class RotaryEmbedding(nn.Module):
         """positions: [num_tokens] -> their cos/sin in ``dtype`` (that of the heads they rotate)."""
         return RopeAngles(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
-    @staticmethod
-    def apply(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
-        """x: [num_tokens, heads, head_dim] -> x rotated by its tokens' angles."""
-        return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin
-
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [num_tokens]; x: [num_tokens, heads, head_dim] -> x rotated by its positions."""
-        return self.apply(x, self.angles(positions, x.dtype))
+        return apply_rope(x, self.angles(positions, x.dtype))
+
+
+def apply_rope(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] -> x rotated by its tokens' angles."""
+    return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin

@@ -15,7 +15,7 @@ from tpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from tpspec.layers.logits import LogitsProcessor
 from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
-from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
+from tpspec.layers.rotary import RopeAngles, RotaryEmbedding, apply_rope
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tpspec.models.weights import checkpoint_target
 from tpspec.sample.vocab_parallel import LogitsShard
@@ -44,13 +44,13 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, p.num_local_kv_heads, d)
         if self.q_norm is None:
             # Query and key heads side by side: one rotation for both.
-            qk = RotaryEmbedding.apply(qk.view(-1, p.num_local_heads + p.num_local_kv_heads, d), rope)
+            qk = apply_rope(qk.view(-1, p.num_local_heads + p.num_local_kv_heads, d), rope)
             q, k = qk.split([p.num_local_heads, p.num_local_kv_heads], dim=1)
         else:
             q, k = qk.split([p.q_size, p.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, p.num_local_heads, d))
             k = self.k_norm(k.view(-1, p.num_local_kv_heads, d))
-            q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
