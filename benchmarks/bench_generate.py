@@ -5,7 +5,8 @@ Greedy decoding of HumanEval prompts, every request exactly ``--max-tokens`` new
   batch 1       ``--num-batch1`` prompts, one request at a time (sum of the per-request times)
   concurrent    ``--concurrency`` prompts submitted at once (tpspec: one ``generate`` call;
                 transformers: one left-padded batch, pad = EOS, with an attention mask)
-Both systems get the same token ids. Each config is warmed up by one short generate first.
+Both systems get the same token ids. Each config is warmed up by one short generate first;
+each tpspec config runs in a fresh process.
 tpspec sets torch's thread count per rank (cores // TP), transformers gets all cores.
 The batch-1 greedy tokens are checked against transformers' ("k/N equal"; a request whose
 tpspec output contains EOS is compared up to it, as ``min_new_tokens`` suppresses EOS there).
@@ -18,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing as mp
 import os
 import platform
 import time
+import traceback
 
 import torch
 from tqdm import tqdm
@@ -146,6 +149,30 @@ def bench_tpspec(tp: int, dtype: str, compiled: bool, b1: list[list[int]], batch
     return rows, tokens
 
 
+def _isolated_entry(queue, fn, args) -> None:
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+def run_isolated(fn, *args):
+    """``fn(*args)`` in a fresh spawned process (module-level ``fn``, picklable result): each
+    tpspec config starts from a clean slate, not from the state earlier configs left in this
+    process (torch.compile caches, allocator, thread settings)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_isolated_entry, args=(queue, fn, args))
+    proc.start()
+    try:
+        status, value = queue.get()
+    finally:
+        proc.join()
+    if status == "error":
+        raise RuntimeError(f"config failed in its subprocess:\n{value}")
+    return value
+
+
 def count_equal(ours: list[list[int]], ref: list[list[int]], eos: int) -> int:
     """Requests whose greedy tokens equal the reference's, up to the first EOS in ours."""
     equal = 0
@@ -202,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if system == "transformers":
             new, refs[dtype], eos = bench_transformers(folder, dtype, b1, batch, args)
         else:
-            new, tokens = bench_tpspec(tp, dtype, compiled, b1, batch, args)
+            new, tokens = run_isolated(bench_tpspec, tp, dtype, compiled, b1, batch, args)
             if refs.get(dtype) and tokens:
                 new[0]["tokens_equal"] = f"{count_equal(tokens, refs[dtype], eos)}/{len(tokens)}"
         for r in new:
