@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes of tpspec")
     p.add_argument("--dtype", nargs="+", choices=sorted(TORCH_DTYPES), default=["float32"])
     p.add_argument("--torch-compile", nargs="+", choices=["off", "on"], default=["off"],
-                   help="tpspec's compiled decode steps (EngineConfig.torch_compile): off, on or both")
+                   help="tpspec's compiled decode steps (EngineConfig.torch_compile, TP 1): off, on or both")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--num-batch1", type=int, default=4, help="prompts run one at a time (batch 1)")
     p.add_argument("--concurrency", type=int, default=32, help="prompts submitted at once (0: skip)")
@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows: list[dict] = []
     configs = [("transformers", None, d, False) for d in args.dtype if not args.skip_transformers]
-    configs += [("tpspec", tp, d, c == "on") for d in args.dtype for tp in args.tp for c in args.torch_compile]
+    # torch_compile is TP 1 only (EngineConfig).
+    configs += [("tpspec", tp, d, c == "on") for d in args.dtype for tp in args.tp for c in args.torch_compile if tp == 1 or c == "off"]
     refs, eos = {}, None
     for system, tp, dtype, compiled in tqdm(configs, desc="configs", unit="config"):
         logger.info("measuring %s%s %s%s", system, f" TP {tp}" if tp else "", dtype, " compiled" if compiled else "")

@@ -254,7 +254,7 @@ class EngineConfig:
     # every rank samples from its own vocab shard (sample.vocab_parallel), same tokens.
     sampling_mode: str = "gathered"
     # Decode steps run the target's decoder layers through torch.compile (models.llama): fused
-    # elementwise kernels instead of ~40 dispatched ops per layer. Compiled at start-up.
+    # elementwise kernels instead of ~40 dispatched ops per layer. Compiled at start-up; TP 1 only.
     torch_compile: bool = False
 
     @property
@@ -281,6 +281,11 @@ class EngineConfig:
             )
         tp = self.parallel.tensor_parallel_size
         a = self.arch
+        if self.torch_compile and tp > 1:
+            raise ValueError(
+                f"torch_compile needs tensor_parallel_size=1, got {tp}: the all-reduces split each layer into "
+                f"pieces that ran slower compiled than eager (benchmarks/README.md)"
+            )
         # Heads are split as evenly as possible (see layers.linear.QKVParallelLinear), so a TP size
         # only has to leave every rank at least one attention head; the MLP splits evenly.
         if tp > a.num_attention_heads:

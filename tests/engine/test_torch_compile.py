@@ -1,6 +1,6 @@
 """``torch_compile=True``: decode steps through the compiled decoder layer give the eager engine's
-tokens (float32, greedy and seeded, TP 1 and 2), and every graph is compiled at start-up: serving
-batches of other sizes and contexts of every length compiles nothing more."""
+tokens (float32, greedy and seeded), and every graph is compiled at start-up: serving batches of
+other sizes and contexts of every length compiles nothing more. TP > 1 is refused."""
 
 from __future__ import annotations
 
@@ -48,8 +48,6 @@ def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, reques
     assert all(len(t) == 20 for group in compiled["tokens"] for t in group)
 
 
-def test_compiled_decode_at_tp2_equals_eager_tp1(tiny_llama):
-    """The row-parallel all-reduce runs eagerly between the compiled pieces of each layer."""
-    eager = _generate(tiny_llama, 1, torch_compile=False)
-    compiled = _generate(tiny_llama, 2, torch_compile=True)
-    assert compiled["tokens"] == eager["tokens"]
+def test_tensor_parallel_torch_compile_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="torch_compile needs tensor_parallel_size=1, got 2"):
+        LLM(tiny_llama, tensor_parallel_size=2, torch_compile=True)

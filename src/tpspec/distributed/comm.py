@@ -49,14 +49,9 @@ def reset_comm_stats() -> None:
 
 def all_reduce(x: torch.Tensor, site: str) -> torch.Tensor:
     """Sum ``x`` over the TP group, in place."""
-    if get_state().world_size == 1:
-        return x
-    return _all_reduce(x, site)
-
-
-@torch.compiler.disable  # a compiled layer (``torch_compile``) calls it eagerly, between its graphs
-def _all_reduce(x: torch.Tensor, site: str) -> torch.Tensor:
     st = get_state()
+    if st.world_size == 1:
+        return x
     if st.shm is not None and st.shm.fits(x):
         st.shm.all_reduce_(x)
     else:
