@@ -26,12 +26,16 @@ SEEDED = [SamplingParams(temperature=1.5, seed=20 + i, top_p=0.95, max_tokens=20
 def _generate(folder: str, tp: int, torch_compile: bool) -> dict:
     with LLM(folder, tensor_parallel_size=tp, num_kv_blocks=96, max_model_len=128, torch_compile=torch_compile) as llm:
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model = llm.llm_engine.executor.runner.model  # TP 1: the driver runs the model
+        compiled_layer, compiled_calls = model._compiled_layer, []
+        if compiled_layer is not None:  # count the layer calls that go through the compiled graphs
+            model._compiled_layer = lambda *args: compiled_calls.append(1) or compiled_layer(*args)
         one_at_a_time = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
         batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], SEEDED, use_tqdm=False)]
         graphs_after = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return dict(tokens=(one_at_a_time, batched, seeded), new_graphs=graphs_after - graphs_at_start,
-                graphs_at_start=graphs_at_start)
+                graphs_at_start=graphs_at_start, compiled_calls=len(compiled_calls), num_layers=len(model.layers))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
@@ -44,6 +48,9 @@ def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, reques
     # The driver is rank 0: its compilations are counted here.
     assert compiled["graphs_at_start"] >= 1
     assert compiled["new_graphs"] == 0
+    # Decode steps really ran compiled: every layer of each of at least 19 steps per generate call.
+    assert compiled["compiled_calls"] >= 3 * 19 * compiled["num_layers"]
+    assert compiled["compiled_calls"] % compiled["num_layers"] == 0 and eager["compiled_calls"] == 0
     assert compiled["tokens"] == eager["tokens"]
     assert all(len(t) == 20 for group in compiled["tokens"] for t in group)
 

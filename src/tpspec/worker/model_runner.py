@@ -101,7 +101,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         # One engine per process at a time: drop an earlier engine's graphs (another dtype, other
         # shapes), which would be checked first on every call and count against the recompile limit.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         self.model.compile_decode_layers()
         steps = tqdm(COMPILE_DECODE_WARMUP, desc="Compiling decode steps", unit="step", disable=get_tp_rank() != 0, leave=False)
         for batch, blocks in steps:
