@@ -160,11 +160,19 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None  # None = the target's
     prompt_lookup_min: int | None = None  # ngram
     prompt_lookup_max: int | None = None  # ngram
+    # True: num_speculative_tokens is the most drafts a request verifies per step and the engine
+    # chooses how many (spec_decode.controller); false: always num_speculative_tokens (vLLM's
+    # behaviour). None (unset): adaptive unless a per-batch-size schedule is given.
+    adaptive: bool | None = None
+    # vLLM's static schedule: ``[start, end, k]`` rows, batch sizes start..end (inclusive) speculate k
+    # tokens (0: none); other batch sizes speculate num_speculative_tokens.
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        self._validate_speculation_length()
         for key in ("use_local_argmax_reduction",):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"speculative_config.{key} must be true or false, got {getattr(self, key)!r}")
@@ -218,6 +226,41 @@ class SpeculativeConfig:
                         f"speculative_config.{key} only applies to method 'ngram', got {getattr(self, key)!r} "
                         f"with method {self.method!r}"
                     )
+
+    def _validate_speculation_length(self) -> None:
+        schedule = self.num_speculative_tokens_per_batch_size
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        if schedule is None:
+            object.__setattr__(self, "adaptive", self.adaptive is not False)
+            return
+        key = "speculative_config.num_speculative_tokens_per_batch_size"
+        if self.adaptive:
+            raise ValueError(f"{key} is a static schedule: it cannot be combined with speculative_config.adaptive=true")
+        if not isinstance(schedule, (list, tuple)) or not schedule:
+            raise ValueError(f"{key} must be a non-empty list of [start, end, k] rows, got {schedule!r}")
+        rows = []
+        for row in schedule:
+            if not isinstance(row, (list, tuple)) or len(row) != 3:
+                raise ValueError(f"{key} rows must be [start, end, k], got {row!r}")
+            start, end, k = row
+            _check_int(f"{key} start", start, 1)
+            _check_int(f"{key} end", end, start)
+            _check_int(f"{key} k", k, 0, self.num_speculative_tokens)
+            rows.append((start, end, k))
+        rows.sort()
+        for (_, end, _), (start, _, _) in zip(rows, rows[1:]):
+            if start <= end:
+                raise ValueError(f"{key} rows overlap at batch size {start}: {schedule!r}")
+        object.__setattr__(self, "num_speculative_tokens_per_batch_size", tuple(rows))
+        object.__setattr__(self, "adaptive", False)
+
+    def k_for_batch_size(self, batch_size: int) -> int:
+        """Drafts per request for a step of ``batch_size`` requests when k is not adaptive."""
+        for start, end, k in self.num_speculative_tokens_per_batch_size or ():
+            if start <= batch_size <= end:
+                return k
+        return self.num_speculative_tokens
 
     @classmethod
     def from_dict(cls, d: "dict | str") -> "SpeculativeConfig":

@@ -231,8 +231,10 @@ def test_drafts_match_reference(variant, tiny_llama, target_model, tmp_path):
     token_ids = prompts
     propose = [True, True, False, True]
     feats = [_captured(target_model, t, spec.capture_layers)[: len(t) - p] for t, p in zip(token_ids, propose)]
-    out = spec.propose(DraftInput(token_ids, [0] * 4, tables, propose, None, torch.cat(feats)))
+    # Sequence 1 wants only 2 drafts (the speculation length varies per request).
+    out = spec.propose(DraftInput(token_ids, [0] * 4, tables, propose, [K, 2, 0, K], None, torch.cat(feats)))
     assert out.drafts[2] == [] and all(q is None for q in out.dists)
+    assert len(out.drafts[1]) == 2
     assert len(out.drafts[3]) == 2  # drafts 3 and 4 would sit at positions >= max_model_len
     for i in (0, 1, 3):
         _, want = ref.run(prompts[i], K)
@@ -244,7 +246,7 @@ def test_drafts_match_reference(variant, tiny_llama, target_model, tmp_path):
     starts = [len(prompts[i]) - 1 for i in (0, 1)]
     full = [prompts[i][:-1] + token_ids[i] for i in (0, 1)]
     feats = [_captured(target_model, f, spec.capture_layers)[s : len(f) - 1] for f, s in zip(full, starts)]
-    out = spec.propose(DraftInput(token_ids, starts, tables[:2], [True, True], None, torch.cat(feats)))
+    out = spec.propose(DraftInput(token_ids, starts, tables[:2], [True, True], [K, K], None, torch.cat(feats)))
     for i in (0, 1):
         row_logits, want = ref.run(full[i], K)
         assert out.drafts[i] == want, i

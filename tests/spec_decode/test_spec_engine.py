@@ -97,15 +97,19 @@ def _trained_dflash(target: str, work: str, out: str) -> str:
     return out
 
 
+# k is pinned (adaptive: false) here: the accounting below counts fixed-k rounds, and flag on/off
+# runs must draft the same rows. tests/spec_decode/test_speculation_length.py varies k.
 def _dflash(flag: bool, **kw) -> dict:
-    return dict(method="dflash", model="dflash", num_speculative_tokens=K, use_local_argmax_reduction=flag, **kw)
+    return dict(method="dflash", model="dflash", num_speculative_tokens=K, use_local_argmax_reduction=flag,
+                adaptive=False, **kw)
 
 
 def _draft(model: str, flag: bool, **kw) -> dict:
-    return dict(method="draft_model", model=model, num_speculative_tokens=K, use_local_argmax_reduction=flag, **kw)
+    return dict(method="draft_model", model=model, num_speculative_tokens=K, use_local_argmax_reduction=flag,
+                adaptive=False, **kw)
 
 
-NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False)
 
 # name: (target, tp, speculative config with the draft named by its key in ``models``)
 CASES = {
@@ -441,9 +445,11 @@ def test_probabilistic_self_draft_accepts_sampled_drafts(models):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_nothing_leaks_under_preemption_and_aborts(tp, models):
-    """Probabilistic drafting keeps a [k, vocab] q per request on every rank between steps; it
-    must go when the request ends, as must its KV blocks. Requests run to max_model_len in a KV
-    cache of exactly max_model_len tokens (the drafter's lookahead must not make them unschedulable)."""
+    """Every rank keeps a request's tokens, drafts and (probabilistic drafting) a [k, vocab] q
+    between steps; they must go when the request ends, as must its KV blocks: at once when the
+    rank's own stop check ends it, with the next step after an abort or a stop string (no extra
+    step for it). Requests run to max_model_len in a KV cache of exactly max_model_len tokens (the
+    drafter's lookahead must not make them unschedulable)."""
     ref = _plain(models, "llama", tp)["ref"]
     spec = _draft(models["perturbed"], False, draft_sample_method="probabilistic")
     with LLM(models["llama"], tensor_parallel_size=tp, speculative_config=spec, **SMALL) as llm:
@@ -457,6 +463,7 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
         for rid, (prompt, params) in requests.items():
             engine.add_request(prompt, params, request_id=rid)
         final = {"abort-waiting": engine.abort_request("abort-waiting")}
+        states = runner.requests.states  # req id -> RequestState
         most_dists = 0
         for _ in range(1000):  # a few hundred steps are needed; more means no progress
             if not engine.has_unfinished_requests():
@@ -465,10 +472,10 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
             for out in engine.step():
                 if out.finished:
                     final[out.request_id] = out
-            # Draft state only for requests alive at the start of this step (ended ones are dropped
-            # with the next step, or right away once the engine goes idle).
-            assert set(runner._draft_dists) <= unfinished_before
-            most_dists = max(most_dists, len(runner._draft_dists))
+            # State only for requests alive at the start of this step (aborted ones are dropped
+            # with the next step, finished ones right away).
+            assert set(states) <= unfinished_before
+            most_dists = max(most_dists, sum(st.draft_dists is not None for st in states.values()))
             tracked = engine._tracked.get("abort-running")
             if tracked is not None and len(tracked.req.output_token_ids) >= 3:
                 final["abort-running"] = engine.abort_request("abort-running")
@@ -477,7 +484,7 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
         stats = llm.get_stats()
         assert stats["num_preemptions"] > 0
         assert most_dists >= 2
-        assert runner._draft_dists == {}
+        assert states == {}
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == SMALL["num_kv_blocks"]
         assert stats["num_running"] == stats["num_waiting"] == 0 and not engine._tracked
         assert set(final) == set(requests)
@@ -490,12 +497,16 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
         assert final["abort-running"].outputs[0].finish_reason == "abort"
         assert 3 <= len(final["abort-running"].outputs[0].token_ids) < MAX_TOKENS
 
-        # The last request aborted mid-flight: its state goes at once, no further step needed.
+        # The last request aborted mid-flight: its KV blocks are free at once; the ranks drop its
+        # state with the next step, which carries its id (no step of its own).
         engine.add_request(PROMPTS[0], SEEDED[0], request_id="idle-abort")
         for _ in range(3):
             engine.step()
-        assert set(runner._draft_dists) == {"idle-abort"}
+        assert set(states) == {"idle-abort"} and states["idle-abort"].draft_dists is not None
+        steps = engine.stats["num_steps"]
         engine.abort_request("idle-abort")
-        assert runner._draft_dists == {}
         stats = llm.get_stats()
-        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_steps"] == steps
+        engine.add_request(PROMPTS[1], GREEDY, request_id="next")
+        engine.step()
+        assert set(states) == {"next"}

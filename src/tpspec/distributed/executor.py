@@ -94,6 +94,8 @@ def _worker_main(
                 break
             if kind == "execute":
                 runner.execute(arg)
+            elif kind == "call":
+                getattr(runner, arg)()
             elif kind == "ready":
                 pass
     except Exception:  # the driver sees the closed connection; log why this rank went away
@@ -225,21 +227,25 @@ class Executor:
             raise
 
     def execute(self, step: StepInput) -> StepOutput:
-        with self._step_lock:
-            return self._execute(step)
+        return self._on_every_rank("execute", step, lambda: self.runner.execute(step))
 
-    def _execute(self, step: StepInput) -> StepOutput:
-        self._rpc("execute", step)
-        try:
-            return self.runner.execute(step)
-        except BaseException as e:
-            if not self.workers:
-                raise
-            # The ranks are out of step now (or a peer is gone): nothing more can run.
-            self.dead = self.dead or f"TP step failed: {type(e).__name__}: {e}"
-            if isinstance(e, Exception):
-                raise EngineDeadError(self.dead) from e
-            raise  # KeyboardInterrupt, SystemExit: passed on; the engine is dead all the same
+    def call(self, method: str):
+        """Run ``ModelRunner.<method>()`` on every rank (SPMD, e.g. a profile); returns rank 0's result."""
+        return self._on_every_rank("call", method, getattr(self.runner, method))
+
+    def _on_every_rank(self, kind: str, arg, run_here):
+        with self._step_lock:
+            self._rpc(kind, arg)
+            try:
+                return run_here()
+            except BaseException as e:
+                if not self.workers:
+                    raise
+                # The ranks are out of step now (or a peer is gone): nothing more can run.
+                self.dead = self.dead or f"TP {kind} failed: {type(e).__name__}: {e}"
+                if isinstance(e, Exception):
+                    raise EngineDeadError(self.dead) from e
+                raise  # KeyboardInterrupt, SystemExit: passed on; the engine is dead all the same
 
     def shutdown(self) -> None:
         if self._closed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import torch
 
@@ -25,11 +26,12 @@ from tpspec.engine.scheduler import Scheduler
 from tpspec.engine.sequence import Request, RequestStatus
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
+from tpspec.spec_decode.controller import PlanRequest, SpeculationLengthController
 from tpspec.spec_decode.metrics import SpecDecodeStats
-from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.spec_decode.resolve import resolve_drafter
+from tpspec.spec_decode.step_time import PiecewiseLinear, StepTimeModel
 from tpspec.tokenizer import Tokenizer
-from tpspec.worker.step import StepInput, StepOutput
+from tpspec.worker.step import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +75,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_tokens)
         spec = config.speculative
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
-        self.ngram = (
-            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
-            if spec is not None and spec.method == "ngram"
-            else None
-        )
+        self.controller = None
+        if spec is not None:
+            self.controller = SpeculationLengthController(spec, self._profile_step_time() if spec.adaptive else None)
         eos = set(config.arch.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -94,6 +94,15 @@ class LLMEngine:
             "num_steps": 0,
             "num_preemptions": 0,
         }
+
+    def _profile_step_time(self) -> StepTimeModel:
+        """The adaptive controller's cost curves, measured on every rank at start-up."""
+        p = self.executor.call("profile_step_time")
+        grid = p["grid"]
+        return StepTimeModel(
+            self.config.speculative.method,
+            PiecewiseLinear(grid, p["target_s"]), PiecewiseLinear(grid, p["feed_s"]), PiecewiseLinear(grid, p["draft_pass_s"]),
+        )
 
     @classmethod
     def from_args(
@@ -194,7 +203,6 @@ class LLMEngine:
             return None
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.stats["num_requests_aborted"] += 1
-        self._release_if_idle()
         return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
@@ -206,14 +214,32 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.stats["num_preemptions"] += sched.num_preempted
         if not sched.requests:
-            self._release_finished(sched.finished_req_ids)
             return []
-        result: StepOutput = self.executor.execute(sched.step_input())
+        real_rows = sum(sched.num_new_tokens)
+        plan = plan_reqs = None
+        if self.controller is not None:
+            max_len = self.config.scheduler.max_model_len
+            plan_reqs = [  # a request proposes for a next step in which it will have one more token
+                PlanRequest(req.request_id, sched.samples(i), req.num_spec_tokens, sched.max_spec[i],
+                            max(0, min(self.controller.max_k, req.draft_room(max_len) - 1)))
+                for i, req in enumerate(sched.requests)
+            ]
+            plan = self.controller.plan(plan_reqs, real_rows)
+            step_input = sched.step_input(plan.num_verify, plan.num_propose)
+        else:
+            step_input = sched.step_input([0] * len(sched.requests), [0] * len(sched.requests))
+        t0 = time.perf_counter()
+        result: StepOutput = self.executor.execute(step_input)
+        step_s = time.perf_counter() - t0
         self.stats["num_steps"] += 1
+        if plan is not None:
+            for r, v, accepted in zip(plan_reqs, plan.num_verify, result.num_accepted):
+                self.spec_stats.observe(v, accepted)
+                self.controller.observe_verification(r.req_id, v, accepted)
+            self.controller.observe_step(
+                plan, plan_reqs, real_rows, result.num_accepted, result.target_s, result.drafter_s, step_s
+            )
         touched = self.scheduler.update(sched, result)
-        if self.spec_stats is not None:
-            for spec, accepted in zip(sched.spec_token_ids, result.num_accepted):
-                self.spec_stats.observe(len(spec), accepted)
         index = {req.request_id: i for i, req in enumerate(sched.requests)}
         outputs = []
         for req, emitted in touched:
@@ -235,27 +261,9 @@ class LLMEngine:
                 if not req.status.finished:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tracked.detok.finished_by_stop
-            elif not req.status.finished:
-                if result.drafts:
-                    req.set_drafts(result.drafts[i], self.config.scheduler.max_model_len)
-                elif self.ngram is not None:
-                    req.set_drafts(self.ngram.propose(req.all_token_ids), self.config.scheduler.max_model_len)
             self.stats["num_generation_tokens"] += len(req.output_token_ids) - before
             outputs.append(self._output(tracked))
-        self._release_if_idle()
         return outputs
-
-    def _release_if_idle(self) -> None:
-        if not self.scheduler.has_unfinished():
-            # Going idle: no later step would carry the ended requests' ids to the ranks.
-            self._release_finished(self.scheduler.finished_req_ids)
-            self.scheduler.finished_req_ids = []
-
-    def _release_finished(self, req_ids: list[str]) -> None:
-        """Tell every rank to drop its per-request state (e.g. draft distributions) of ended
-        requests, with a step that runs no sequences. Busy steps carry these ids themselves."""
-        if req_ids and not self.executor.dead:  # a dead engine keeps nothing worth freeing
-            self.executor.execute(StepInput(finished_req_ids=list(req_ids)))
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.req
@@ -268,6 +276,8 @@ class LLMEngine:
         if finished:
             self._tracked.pop(req.request_id, None)
             self.stats["num_requests_finished"] += 1
+            if self.controller is not None:
+                self.controller.forget(req.request_id)
         return RequestOutput(
             request_id=req.request_id,
             prompt=tracked.prompt,
@@ -301,6 +311,7 @@ class LLMEngine:
         )
         if self.spec_stats is not None:
             s.update(self.spec_stats.as_dict())
+            s.update(self.controller.as_dict())
         return s
 
     @staticmethod

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tpspec.config import SchedulerConfig
 from tpspec.engine.kv_cache import BlockManager
 from tpspec.engine.sequence import Request, RequestStatus
-from tpspec.worker.step import SeqStep, StepInput, StepOutput
+from tpspec.worker.step import NewRequest, SeqStep, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -24,27 +24,28 @@ logger = logging.getLogger(__name__)
 class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # real (non-draft) tokens fed per request
-    spec_token_ids: list[list[int]] = field(default_factory=list)  # drafts verified per request
+    max_spec: list[int] = field(default_factory=list)  # most drafts each request may verify (KV reserved for them)
     num_preempted: int = 0
     finished_req_ids: list[str] = field(default_factory=list)
 
-    def step_input(self) -> StepInput:
-        seqs = []
-        for req, n, spec in zip(self.requests, self.num_new_tokens, self.spec_token_ids):
+    def samples(self, i: int) -> bool:
+        """Whether request i's tokens this step reach its last one (it emits a token)."""
+        req = self.requests[i]
+        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
+
+    def step_input(self, num_spec: list[int], num_draft: list[int]) -> StepInput:
+        """What the ranks need for this step, given how many drafts each request verifies
+        (``num_spec[i]`` <= ``max_spec[i]``) and proposes: only what they have not seen yet."""
+        seqs, new = [], []
+        for req, n, v, d in zip(self.requests, self.num_new_tokens, num_spec, num_draft):
+            if req.num_blocks_on_ranks < 0:
+                new.append(NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.seed,
+                                      req.max_tokens, req.eos_token_ids))
             start = req.num_computed_tokens
-            seqs.append(
-                SeqStep(
-                    req_id=req.request_id,
-                    token_ids=req.all_token_ids[start : start + n] + spec,
-                    start_pos=start,
-                    block_table=list(req.block_ids),
-                    sample=start + n == req.num_tokens,
-                    params=req.sampling_params,
-                    seed=req.seed,
-                    num_spec=len(spec),
-                )
-            )
-        return StepInput(seqs, self.finished_req_ids)
+            known = 0 if start == 0 else req.num_blocks_on_ranks  # start 0: the ranks' table starts over
+            seqs.append(SeqStep(req.request_id, start, n, req.block_ids[known:], v, d))
+            req.num_blocks_on_ranks = len(req.block_ids)
+        return StepInput(seqs, new, self.finished_req_ids)
 
 
 class Scheduler:
@@ -86,7 +87,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.num_spec_tokens = 0  # the ranks' drafts are dropped by the recompute
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -98,16 +99,17 @@ class Scheduler:
         return min(num_tokens + self.num_lookahead_tokens, self.config.max_model_len)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
-        self.finished_req_ids = []
+        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # Drafts ride along with a decode (one real token), as far as the budget allows.
-            spec = req.spec_token_ids[: budget - n] if req.num_tokens - req.num_computed_tokens == 1 else []
-            while not self.block_manager.allocate(req, self._kv_tokens(req.num_computed_tokens + n + len(spec))):
+            # Drafts ride along with a decode (one real token), as far as the budget and the
+            # request's room allow.
+            decode = req.num_tokens - req.num_computed_tokens == 1
+            spec = min(req.num_spec_tokens, budget - n, req.draft_room(self.config.max_model_len)) if decode else 0
+            while not self.block_manager.allocate(req, self._kv_tokens(req.num_computed_tokens + n + spec)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -117,11 +119,11 @@ class Scheduler:
                 break  # preempted itself: nothing behind it is left either
             out.requests.append(req)
             out.num_new_tokens.append(n)
-            out.spec_token_ids.append(spec)
-            budget -= n + len(spec)
+            out.max_spec.append(spec)
+            budget -= n + spec
             i += 1
         if out.num_preempted:
-            return out
+            return self._carry_finished(out)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             n = req.num_tokens - req.num_computed_tokens
@@ -136,8 +138,15 @@ class Scheduler:
             self.running.append(req)
             out.requests.append(req)
             out.num_new_tokens.append(n)
-            out.spec_token_ids.append([])
+            out.max_spec.append(0)
             budget -= n
+        return self._carry_finished(out)
+
+    def _carry_finished(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Requests ended since the last step ride on the next step that runs (the ranks drop
+        their state then); while nothing runs they wait here."""
+        if out.requests:
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
     def update(self, out: SchedulerOutput, result: StepOutput) -> list[tuple[Request, int]]:
@@ -149,7 +158,7 @@ class Scheduler:
                 continue
             accepted = result.num_accepted[i] if result.num_accepted else 0
             req.num_computed_tokens += n + accepted  # KV of rejected drafts is dropped (overwritten later)
-            req.spec_token_ids = []
+            req.num_spec_tokens = result.num_drafts[i] if result.num_drafts else 0
             emitted = 0
             for token in result.sampled[i]:
                 req.output_token_ids.append(token)

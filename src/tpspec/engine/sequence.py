@@ -37,7 +37,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    num_spec_tokens: int = 0  # drafts the ranks hold for it, verifiable in its next step
+    num_blocks_on_ranks: int = -1  # how many of block_ids the ranks know; -1: the ranks have not seen it
 
     @property
     def num_tokens(self) -> int:
@@ -51,11 +52,10 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    def set_drafts(self, drafts: list[int], max_model_len: int) -> None:
-        """Keep only drafts that can still be emitted: within max_tokens (one slot is the bonus
-        token) and within max_model_len."""
-        room = min(self.max_tokens - len(self.output_token_ids) - 1, max_model_len - self.num_tokens)
-        self.spec_token_ids = list(drafts[: max(0, room)])
+    def draft_room(self, max_model_len: int) -> int:
+        """How many drafts its next verification could still emit: within max_tokens (one slot is
+        the bonus token) and within max_model_len."""
+        return max(0, min(self.max_tokens - len(self.output_token_ids) - 1, max_model_len - self.num_tokens))
 
     def check_stop(self, token_id: int) -> bool:
         """After appending ``token_id``: set a finished status if it ends the request."""

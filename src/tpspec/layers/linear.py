@@ -27,14 +27,26 @@ def _cols(loaded, start: int, end: int) -> torch.Tensor:
 # behind float32 as rows grow (2.8x slower at 100 rows, a prefill); past this many rows
 # ``linear`` computes in float32 (benchmarks/bench_linear_dtypes.py).
 CPU_FLOAT16_MAX_ROWS = 4
+# CPU float32 products with up to this many rows (decode steps, speculative verification, draft
+# blocks) run as (A·Xᵀ)ᵀ, a GEMM whose small dimension is the columns: MKL streams the weight
+# 1.3-3.5x faster that way than as X·Aᵀ, and a one-row product, padded to two columns, ~1.7x faster
+# than as a matrix-vector product (benchmarks/bench_linear_rows.py; AVX-512 and AVX2 alike).
+CPU_FLOAT32_TRANSPOSED_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows goes through
-    float32 (exact upcasts, float32 accumulation either way) and is rounded back to float16.
+    float32 (exact upcasts, float32 accumulation either way) and is rounded back to float16;
+    float32 on CPU with at most ``CPU_FLOAT32_TRANSPOSED_MAX_ROWS`` rows as (A·Xᵀ)ᵀ.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
-    if weight.dtype == torch.float16 and weight.device.type == "cpu" and x.shape[0] > CPU_FLOAT16_MAX_ROWS:
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
+    rows = x.shape[0]
+    if weight.device.type == "cpu":
+        if weight.dtype == torch.float16 and rows > CPU_FLOAT16_MAX_ROWS:
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
+        if weight.dtype == torch.float32 and x.dim() == 2 and rows <= CPU_FLOAT32_TRANSPOSED_MAX_ROWS:
+            xt = (x if rows > 1 else x.repeat(2, 1)).t()  # [in_features, max(rows, 2)]
+            out = torch.mm(weight, xt) if bias is None else torch.addmm(bias.unsqueeze(1), weight, xt)
+            return out[:, :rows].t().contiguous()  # [num_rows, out_features]
     return F.linear(x, weight, bias)
 
 

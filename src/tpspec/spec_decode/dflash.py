@@ -19,8 +19,7 @@ from tpspec.distributed.parallel_state import get_tp_rank, single_rank
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.dflash import DFlashConfig, DFlashDraftModel
 from tpspec.models.loader.safetensors import iterate_weights
-from tpspec.sample.sampler import SamplingMetadata
-from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput, sampling_rows
 
 # The drafter trained for the default model (``tpspec train-draft``), used when ``model`` is omitted.
 SHIPPED_DFLASH_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-dflash")
@@ -56,6 +55,22 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.kv_caches = self._allocate_kv(model, cfg.arch.num_hidden_layers)
         return model
 
+    def dummy_feed(self, num_rows: int) -> None:
+        width = len(self.capture_layers) * self.engine_config.arch.hidden_size
+        features = torch.zeros(num_rows, width, dtype=self.model.dtype, device=self.device)
+        slots = torch.arange(num_rows, device=self.device) % self.num_kv_slots
+        positions = torch.arange(num_rows, device=self.device) % self.engine_config.scheduler.max_model_len
+        with self._tp_context():
+            self.model.write_context(features, positions, slots, self.kv_caches)
+
+    def dummy_pass(self, num_rows: int) -> None:
+        block = self.num_speculative_tokens + 1
+        md, positions = AttentionMetadata.dummy(num_rows, block, self.engine_config.cache.block_size, self.device, True)
+        embeds = self.model.target.embed_tokens(torch.zeros(num_rows, dtype=torch.int64, device=self.device))
+        with self._tp_context():
+            hidden = self.model(embeds, positions, self.kv_caches, md)
+        self.dummy_sample(hidden)
+
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftOutput:
         bs = self.engine_config.cache.block_size
@@ -76,13 +91,14 @@ class DFlashSpeculator(DraftModelSpeculator):
                     self.kv_caches,
                 )
         # 2. One block per proposing sequence: [bonus, MASK × (L − 1)] at positions P … P + L − 1,
-        # L = k + 1 unless max_model_len cuts it (a draft there could never be verified).
+        # L = k + 1 for its k = num_drafts[i], unless max_model_len cuts it (a draft there could
+        # never be verified). Blocks of different lengths share one forward.
         max_len = self.engine_config.scheduler.max_model_len
         rows, starts, lens = [], [], []
-        for i, p in enumerate(inp.propose):
+        for i in inp.proposing:
             start = inp.start_pos[i] + inp.num_context(i)
-            length = min(self.num_speculative_tokens + 1, max_len - start)
-            if p and length >= 2:
+            length = min(inp.num_drafts[i] + 1, max_len - start)
+            if length >= 2:
                 rows.append(i)
                 starts.append(start)
                 lens.append(length)
@@ -102,9 +118,9 @@ class DFlashSpeculator(DraftModelSpeculator):
         sampling = None
         if inp.sampling is not None:
             which = [r for r, n in enumerate(lens) for _ in range(n - 1)]  # proposing row of each draft row
-            proposing = {i: r for r, i in enumerate(i for i, p in enumerate(inp.propose) if p)}
-            meta_rows = torch.tensor([proposing[rows[r]] for r in which], dtype=torch.int64, device=self.device)
-            sampling = _rows_at(inp.sampling, meta_rows, [s + j for s, n in zip(starts, lens) for j in range(1, n)])
+            proposing = {i: r for r, i in enumerate(inp.proposing)}
+            sampling = sampling_rows(inp.sampling, [proposing[rows[r]] for r in which],
+                                     [s + j for s, n in zip(starts, lens) for j in range(1, n)])
         sample = self.sample_draft(hidden[torch.tensor(draft_rows, device=self.device)], sampling)
         tokens = sample.token_ids.tolist()
         o = 0
@@ -115,16 +131,3 @@ class DFlashSpeculator(DraftModelSpeculator):
             o += n - 1
         return DraftOutput(drafts, dists)
 
-
-def _rows_at(sampling: SamplingMetadata, rows: torch.Tensor, positions: list[int]) -> SamplingMetadata:
-    """Rows ``rows`` of ``sampling`` (repeats allowed), drawing at ``positions``."""
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, rows)
-
-    return SamplingMetadata(
-        temperature=pick(sampling.temperature), top_k=pick(sampling.top_k), top_p=pick(sampling.top_p),
-        min_p=pick(sampling.min_p), seeds=pick(sampling.seeds),
-        positions=torch.tensor(positions, dtype=torch.int64, device=rows.device),
-        max_num_logprobs=None, all_greedy=sampling.all_greedy, all_random=sampling.all_random,
-        no_top_k_top_p_min_p=sampling.no_top_k_top_p_min_p,
-    )

@@ -4,8 +4,6 @@ autoregressively for k steps with its own paged KV cache (same block tables as t
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
-
 import torch
 
 from tpspec.config import ModelArchConfig
@@ -13,7 +11,6 @@ from tpspec.distributed.parallel_state import get_tp_rank, single_rank
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
-from tpspec.sample.sampler import SamplingMetadata
 from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
 
 
@@ -50,10 +47,24 @@ class DraftModelProposer(DraftModelSpeculator):
         ends = torch.cumsum(torch.tensor(lens), 0) - 1
         return hidden[ends.to(self.device)]
 
+    def _dummy_forward(self, num_rows: int, query_len: int) -> torch.Tensor:
+        md, positions = AttentionMetadata.dummy(num_rows, query_len, self.engine_config.cache.block_size, self.device)
+        ids = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        with self._tp_context():
+            hidden, _ = self.model(ids, positions, self.kv_caches, md)
+        return hidden
+
+    def dummy_feed(self, num_rows: int) -> None:
+        self._dummy_forward(num_rows, self.num_speculative_tokens + 1)
+
+    def dummy_pass(self, num_rows: int) -> None:
+        hidden = self._dummy_forward(num_rows, 1)
+        with self._tp_context():
+            self.dummy_sample(hidden)
+
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftOutput:
-        k = self.num_speculative_tokens
-        rows = [i for i, p in enumerate(inp.propose) if p]
+        rows = inp.proposing
         drafts: list[list[int]] = [[] for _ in inp.token_ids]
         dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
         with self._tp_context():
@@ -67,32 +78,14 @@ class DraftModelProposer(DraftModelSpeculator):
             # it, so the drafter writes no KV there (the scheduler reserves none) and never
             # indexes past the RoPE tables.
             max_len = self.engine_config.scheduler.max_model_len
-            num = [max(0, min(k, max_len - p)) for p in pos]  # usable drafts per row
-            step_tokens, step_dists = [], []
-            for j in range(k):
-                sampling = _at_positions(inp.sampling, [p + j for p in pos]) if inp.sampling is not None else None
-                sample = self.sample_draft(hidden, sampling)
-                step_tokens.append(sample.token_ids)
-                step_dists.append(sample.dists)
-                feed = [r for r in range(len(rows)) if num[r] > j + 1]  # rows that need draft j + 1
-                if not feed:
-                    break
-                token_ids = sample.token_ids.tolist()
-                out = self._forward(
-                    [[token_ids[r]] for r in feed], [pos[r] + j for r in feed], [tables[r] for r in feed]
-                )
-                if len(feed) == len(rows):
-                    hidden = out
-                else:  # the other rows' hidden states are stale from here on; their drafts are dropped
-                    hidden = hidden.clone()
-                    hidden[torch.tensor(feed, device=self.device)] = out
-        tokens = torch.stack(step_tokens, dim=1).tolist()  # [rows, steps run]
+            num = [max(0, min(inp.num_drafts[i], max_len - p)) for i, p in zip(rows, pos)]  # drafts per row
+            if not any(num):
+                return DraftOutput(drafts, dists)
+
+            def advance(active: list[int], keep: list[int], tokens: list[int], j: int) -> torch.Tensor:
+                return self._forward([[t] for t in tokens], [pos[r] + j for r in active], [tables[r] for r in active])
+
+            chain, chain_dists = self.draft_chain(hidden, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
-            drafts[i] = tokens[r][: num[r]]
-            if step_dists[0] is not None and num[r]:
-                dists[i] = torch.stack([d[r] for d in step_dists[: num[r]]])  # [num[r], vocab_size]
+            drafts[i], dists[i] = chain[r], chain_dists[r]
         return DraftOutput(drafts, dists)
-
-
-def _at_positions(sampling: SamplingMetadata, positions: list[int]) -> SamplingMetadata:
-    return replace(sampling, positions=torch.tensor(positions, dtype=torch.int64, device=sampling.positions.device))

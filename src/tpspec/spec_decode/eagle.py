@@ -18,8 +18,6 @@ verified by the target, so this costs acceptance, never correctness).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from safetensors import safe_open
 
@@ -78,9 +76,24 @@ class Eagle3Proposer(DraftModelSpeculator):
             md,
         )
 
+    def _dummy_run(self, hidden: torch.Tensor, query_len: int) -> torch.Tensor:
+        rows = hidden.shape[0]
+        md, positions = AttentionMetadata.dummy(rows, query_len, self.engine_config.cache.block_size, self.device)
+        ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        normed, _ = self.model(ids, positions, hidden, self.kv_cache, md)
+        return normed
+
+    def dummy_feed(self, num_rows: int) -> None:
+        width = len(self.capture_layers) * self.eagle_config.target_hidden_size
+        features = torch.zeros(num_rows, width, dtype=self.model.dtype, device=self.device)
+        self._dummy_run(self.model.combine_hidden_states(features), self.num_speculative_tokens + 1)
+
+    def dummy_pass(self, num_rows: int) -> None:
+        hidden = torch.zeros(num_rows, self.eagle_config.arch.hidden_size, dtype=self.model.dtype, device=self.device)
+        self.dummy_sample(self._dummy_run(hidden, 1))
+
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftOutput:
-        k = self.num_speculative_tokens
         drafts: list[list[int]] = [[] for _ in inp.token_ids]
         dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
         # 1. Refeed: row t = (features at t, token t + 1) at position t, for every kept t whose next token is known.
@@ -100,7 +113,7 @@ class Eagle3Proposer(DraftModelSpeculator):
         features = inp.target_features[torch.tensor(feature_rows, dtype=torch.int64, device=self.device)]  # [rows, n·H_t]
         hidden = self.model.combine_hidden_states(features)  # [rows, H]
         normed, prenorm = self._run(ids, positions, hidden, lens, [inp.block_tables[i] for i in fed])
-        rows = [i for i, p in enumerate(inp.propose) if p]  # every proposing sequence has >= 2 tokens: fed
+        rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
         if not rows:
             return DraftOutput(drafts, dists)
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
@@ -112,36 +125,23 @@ class Eagle3Proposer(DraftModelSpeculator):
         tables = [inp.block_tables[i] for i in rows]
         # A draft at a position >= max_model_len can never be verified: feeding stops before it.
         max_len = self.engine_config.scheduler.max_model_len
-        num = [max(0, min(k, max_len - p)) for p in pos]  # usable drafts per row
-        step_tokens, step_dists = [], []
-        for j in range(k):
-            sampling = None
-            if inp.sampling is not None:
-                draft_pos = torch.tensor([p + j for p in pos], dtype=torch.int64, device=self.device)
-                sampling = replace(inp.sampling, positions=draft_pos)
-            sample = self.sample_draft(normed, sampling)
-            step_tokens.append(sample.token_ids)
-            step_dists.append(sample.dists)
-            feed = [r for r in range(len(rows)) if num[r] > j + 1]  # rows that need draft j + 2
-            if not feed:
-                break
-            index = torch.tensor(feed, device=self.device)
-            token_ids = sample.token_ids.tolist()
-            out_normed, out_prenorm = self._run(
-                [token_ids[r] for r in feed],
-                [pos[r] + j - 1 for r in feed],  # draft j + 1 sits at pos + j: fed one position before it
-                prenorm[index],
-                [1] * len(feed),
-                [tables[r] for r in feed],
+        num = [max(0, min(inp.num_drafts[i], max_len - p)) for i, p in zip(rows, pos)]  # drafts per row
+        if not any(num):
+            return DraftOutput(drafts, dists)
+        drafting = [r for r, n in enumerate(num) if n]
+        carried = prenorm if len(drafting) == len(num) else prenorm[torch.tensor(drafting, device=self.device)]
+
+        def advance(active: list[int], keep: list[int], tokens: list[int], j: int) -> torch.Tensor:
+            # Draft j + 2 comes from the row that feeds draft j + 1 one position before it (pos + j − 1),
+            # with the previous row's pre-norm output in place of target features.
+            nonlocal carried
+            normed_next, carried = self._run(
+                tokens, [pos[r] + j - 1 for r in active], carried[torch.tensor(keep, device=self.device)],
+                [1] * len(active), [tables[r] for r in active],
             )
-            if len(feed) == len(rows):
-                normed, prenorm = out_normed, out_prenorm
-            else:  # the other rows are done: their stale states are never sampled into a kept draft
-                normed, prenorm = normed.clone(), prenorm.clone()
-                normed[index], prenorm[index] = out_normed, out_prenorm
-        tokens = torch.stack(step_tokens, dim=1).tolist()  # [rows, steps run]
+            return normed_next
+
+        chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
-            drafts[i] = tokens[r][: num[r]]
-            if step_dists[0] is not None and num[r]:
-                dists[i] = torch.stack([d[r] for d in step_dists[: num[r]]])  # [num[r], vocab_size]
+            drafts[i], dists[i] = chain[r], chain_dists[r]
         return DraftOutput(drafts, dists)

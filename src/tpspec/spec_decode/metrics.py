@@ -12,10 +12,15 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Draft tokens verified at each position: with a varying k, position i's acceptance rate is
+    # num_accepted_tokens_per_pos[i] / num_draft_tokens_per_pos[i].
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+        if not self.num_draft_tokens_per_pos:
+            self.num_draft_tokens_per_pos = [0] * self.num_speculative_tokens
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:
@@ -25,6 +30,8 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
+        for pos in range(num_draft_tokens):
+            self.num_draft_tokens_per_pos[pos] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -41,6 +48,7 @@ class SpecDecodeStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
         }

@@ -36,8 +36,10 @@ class NgramProposer:
         self.prompt_lookup_max = prompt_lookup_max
         self.num_speculative_tokens = num_speculative_tokens
 
-    def propose(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
-        """Up to ``num_speculative_tokens`` draft tokens continuing ``token_ids``; [] if no match."""
+    def propose(self, token_ids: Sequence[int] | np.ndarray, num_tokens: int | None = None) -> list[int]:
+        """Up to ``num_tokens`` (default ``num_speculative_tokens``) draft tokens continuing
+        ``token_ids``; [] if no match."""
+        num_tokens = self.num_speculative_tokens if num_tokens is None else num_tokens
         tokens = np.asarray(token_ids, dtype=np.int64)  # [length]
         length = tokens.shape[0]
         if length < self.prompt_lookup_min + 1:
@@ -62,5 +64,5 @@ class NgramProposer:
             hits = np.flatnonzero(match_len >= n)
             if hits.size:
                 start = int(ends[hits[0]]) + 1  # newest occurrence: ends are sorted newest first
-                return tokens[start:start + self.num_speculative_tokens].tolist()
+                return tokens[start:start + num_tokens].tolist()
         return []

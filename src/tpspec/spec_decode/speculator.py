@@ -12,6 +12,7 @@ run their model and call ``sample_draft``; they never sample by themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,33 +36,41 @@ class DraftSample:
 
 @dataclass
 class DraftInput:
-    """Per continuing sequence, after verification: the tokens the drafter (re)feeds.
+    """Per scheduled sequence, after verification: the tokens the drafter (re)feeds.
 
     ``token_ids[i]`` are this step's real tokens of sequence i plus its accepted drafts and the
     new bonus/recovered token, starting at position ``start_pos[i]``; the drafter's KV below
-    ``start_pos[i]`` is valid. ``propose[i]`` is False for a partial prefill chunk (feed only).
+    ``start_pos[i]`` is valid. ``sampled[i]`` is False for a partial prefill chunk (no new token).
+    ``num_drafts[i]`` drafts are wanted for sequence i's next step: 0 feeds the drafter only (its
+    state stays valid for later steps), whatever k was before or will be after.
 
     ``target_features`` (drafters with ``capture_layers``): the target's hidden states at those
     layers, concatenated, for each token the target has run and kept, sequence by sequence:
-    ``token_ids[i][:-1]`` for a proposing sequence (its last token is the new bonus/recovered
+    ``token_ids[i][:-1]`` for a sampled sequence (its last token is the new bonus/recovered
     token, which the target has not run yet), all of ``token_ids[i]`` otherwise.
     """
 
     token_ids: list[list[int]]
     start_pos: list[int]
     block_tables: list[list[int]]
-    propose: list[bool]
-    sampling: SamplingMetadata | None  # one row per proposing sequence (probabilistic drafting)
+    sampled: list[bool]
+    num_drafts: list[int]
+    sampling: SamplingMetadata | None  # one row per sequence with num_drafts > 0 (probabilistic drafting)
     target_features: torch.Tensor | None = None  # [num_context_tokens, len(capture_layers)·hidden_size]
 
     def num_context(self, i: int) -> int:
         """How many of sequence i's tokens have target features."""
-        return len(self.token_ids[i]) - int(self.propose[i])
+        return len(self.token_ids[i]) - int(self.sampled[i])
+
+    @property
+    def proposing(self) -> list[int]:
+        """Sequences that want drafts."""
+        return [i for i, n in enumerate(self.num_drafts) if n > 0]
 
 
 @dataclass
 class DraftOutput:
-    drafts: list[list[int]]  # per sequence of the DraftInput ([] where propose is False)
+    drafts: list[list[int]]  # per sequence of the DraftInput (at most num_drafts[i]; [] where it is 0)
     dists: list[torch.Tensor | None]  # per sequence: [k, vocab_size] (or [k, shard_size], see DraftSample) q, or None
 
 
@@ -139,6 +148,77 @@ class DraftModelSpeculator:
             return DraftSample(*sample_draft_shard(shard, sampling, DRAFT_SAMPLE_SITE))
         return DraftSample(*sample_draft_full(self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE), sampling))
 
+    def draft_chain(
+        self, hidden: torch.Tensor, num: list[int], positions: list[int], sampling: SamplingMetadata | None,
+        advance: Callable[[list[int], list[int], list[int], int], torch.Tensor],
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Chain drafting: row r wants ``num[r]`` drafts, the first from ``hidden[r]`` ([rows, H]) at
+        ``positions[r]`` (``sampling``: one row per r). Each pass samples only the rows still
+        drafting; after pass j (0-based), ``advance(rows, keep, tokens, j)`` feeds ``tokens``
+        (draft j + 1 of each row still drafting) and returns the next hidden states of ``rows``,
+        where ``keep`` are those rows' indices into the current ``hidden``. Returns per row its drafts and (probabilistic drafting) their q ``[num[r], width]``."""
+        drafts: list[list[int]] = [[] for _ in num]
+        dists: list[list[torch.Tensor]] = [[] for _ in num]
+        active = [r for r, n in enumerate(num) if n > 0]
+        if len(active) < len(num):
+            hidden = hidden[torch.tensor(active, dtype=torch.int64, device=hidden.device)]
+        j = 0
+        while active:
+            meta = None
+            if sampling is not None:
+                meta = sampling_rows(sampling, active, [positions[r] + j for r in active])
+            sample = self.sample_draft(hidden, meta)
+            ids = sample.token_ids.tolist()
+            for a, r in enumerate(active):
+                drafts[r].append(ids[a])
+                if sample.dists is not None:
+                    dists[r].append(sample.dists[a])
+            keep = [a for a, r in enumerate(active) if num[r] > j + 1]
+            if not keep:
+                break
+            active = [active[a] for a in keep]
+            hidden = advance(active, keep, [ids[a] for a in keep], j)
+            j += 1
+        return drafts, [torch.stack(d) if d else None for d in dists]
+
     # ---- proposing --------------------------------------------------------------------------
     def propose(self, inp: DraftInput) -> DraftOutput:
         raise NotImplementedError
+
+    # ---- profiling (spec_decode.step_time) ----------------------------------------------------
+    def dummy_feed(self, num_rows: int) -> None:
+        """The drafter's work for ``num_rows`` kept tokens that does not depend on k, on dummy
+        inputs in the first KV blocks (start-up, before any request owns one)."""
+        raise NotImplementedError
+
+    def dummy_pass(self, num_rows: int) -> None:
+        """One drafting pass over ``num_rows`` rows (forward, LM head, draft sampling), on dummy inputs."""
+        raise NotImplementedError
+
+    def dummy_sample(self, hidden: torch.Tensor) -> None:
+        """Draft sampling as ``sample_draft`` does it, for every row of ``hidden`` [rows, H]."""
+        sampling = None
+        if self.draft_sample_method == "probabilistic":
+            from tpspec.sampling_params import SamplingParams
+
+            rows = hidden.shape[0]
+            sampling = SamplingMetadata.from_params(
+                [SamplingParams(temperature=1.0)] * rows, [0] * rows, [0] * rows, device=self.device
+            )
+        self.sample_draft(hidden, sampling)
+
+
+def sampling_rows(sampling: SamplingMetadata, rows: list[int], positions: list[int]) -> SamplingMetadata:
+    """Rows ``rows`` of ``sampling`` (repeats allowed), drawing at ``positions``."""
+    index = torch.tensor(rows, dtype=torch.int64, device=sampling.seeds.device)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, index)
+
+    return SamplingMetadata(
+        temperature=pick(sampling.temperature), top_k=pick(sampling.top_k), top_p=pick(sampling.top_p),
+        min_p=pick(sampling.min_p), seeds=pick(sampling.seeds),
+        positions=torch.tensor(positions, dtype=torch.int64, device=index.device),
+        max_num_logprobs=None, all_greedy=sampling.all_greedy, all_random=sampling.all_random,
+        no_top_k_top_p_min_p=sampling.no_top_k_top_p_min_p,
+    )

@@ -27,12 +27,15 @@ from tpspec.sample.vocab_parallel import LogitsShard, shard_columns
 from tpspec.spec_decode.dflash import DFlashSpeculator
 from tpspec.spec_decode.draft_model import DraftModelProposer
 from tpspec.spec_decode.eagle import Eagle3Proposer
+from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
 from tpspec.spec_decode.speculator import DraftInput
-from tpspec.worker.step import SeqStep, StepInput, StepOutput, TokenLogprobs
+from tpspec.spec_decode.step_time import profile_grid
+from tpspec.worker.request_state import RequestStates, ScheduledSeq
+from tpspec.worker.step import StepInput, StepOutput, TokenLogprobs
 
-# Model-based drafters (built on every rank); other methods propose on the driver.
+# Model-based drafters (built on every rank); ngram looks drafts up in each rank's copy of the tokens.
 SPECULATORS = {
     "draft_model": DraftModelProposer,
     "dflash": DFlashSpeculator,
@@ -49,6 +52,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # dynamic shapes), size 1 is always specialized, and ``layers.linear.linear`` branches past
 # CPU_FLOAT16_MAX_ROWS rows. After these, no batch size or context length compiles again.
 COMPILE_DECODE_WARMUP = ((1, 1), (1, 2), (2, 1), (CPU_FLOAT16_MAX_ROWS + 1, 2))
+
+
+# The start-up step-time profile (speculation-length controller): row counts up to this many are
+# measured, larger ones extrapolated linearly (compute-bound there); each point timed this often.
+PROFILE_MAX_ROWS = 256
+PROFILE_REPEATS = 2
 
 
 def num_kv_blocks(config: EngineConfig, device: torch.device) -> int:
@@ -114,21 +123,64 @@ class ModelRunner:
             self.model(ids, positions, self.kv_caches, md)
         logger.info("rank %d: compiled decode steps in %.1f s", get_tp_rank(), time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def profile_step_time(self) -> dict[str, list]:
+        """Time the target's forward + LM head + argmax, and the drafter's feed and one drafting
+        pass, over the row counts of ``step_time.profile_grid`` (dummy inputs in the first KV
+        blocks, before any request owns one): the speculation-length controller's start-up cost
+        curves. Every rank runs the same forwards (their collectives line up); rank 0's times count."""
+        spec, sc = self.config.speculative, self.config.scheduler
+        k = spec.num_speculative_tokens
+        grid = profile_grid(min(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1), PROFILE_MAX_ROWS))
+
+        def target(rows: int) -> None:
+            md, positions = AttentionMetadata.dummy(rows, k + 1, self.block_size, self.device)
+            hidden, _ = self.model(torch.zeros(rows, dtype=torch.int64, device=self.device), positions, self.kv_caches, md)
+            self.model.compute_logits(hidden, "profile").argmax(dim=-1)
+
+        t0 = time.perf_counter()
+        out = {"grid": grid, "target_s": [self._time(target, r) for r in grid]}
+        if self.speculator is None:  # ngram: no drafter forward
+            out["feed_s"] = out["draft_pass_s"] = [0.0] * len(grid)
+        else:
+            out["feed_s"] = [self._time(self.speculator.dummy_feed, r) for r in grid]
+            out["draft_pass_s"] = [self._time(self.speculator.dummy_pass, r) for r in grid]
+        comm.reset_comm_stats()  # the profile's collectives are not the engine's traffic
+        logger.info("rank %d: profiled step times over %s rows in %.1f s", get_tp_rank(), grid, time.perf_counter() - t0)
+        return out
+
+    def _time(self, fn, rows: int) -> float:
+        """Seconds of ``fn(rows)``: the faster of two runs after a warm-up."""
+        best = float("inf")
+        for i in range(PROFILE_REPEATS + 1):
+            t0 = self._now()
+            fn(rows)
+            if i:
+                best = min(best, self._now() - t0)
+        return best
+
     def load_speculator(self) -> None:
-        """Build the model-based drafter, if the engine speculates with one (ngram runs on the driver)."""
+        """Build the drafter, if the engine speculates."""
         spec = self.config.speculative
         self.speculator = None
+        self.ngram = None
         self.rejection_sampler = RejectionSampler() if spec is not None else None
-        self._draft_dists: dict[str, torch.Tensor] = {}  # req id -> [k, vocab] q of its pending drafts
+        self.requests = RequestStates()
         if spec is not None and spec.method in SPECULATORS:
             self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
             self.speculator.load_model(self.model, self.num_blocks * self.block_size)
+        elif spec is not None:  # ngram
+            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        for req_id in step.finished_req_ids:
-            self._draft_dists.pop(req_id, None)
-        seqs = step.seqs
+        t0 = self._now()
+        seqs = self.requests.begin_step(step)
         if not seqs:  # only ended requests to forget
             return StepOutput([], [])
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
@@ -180,11 +232,19 @@ class ModelRunner:
                 for j, i in enumerate(sampling):
                     sampled[i], num_accepted[i] = out.output_token_ids[j], out.num_accepted[j]
             self._logprobs(seqs, sampling, logits, sampled, logprobs, site)
-        drafts = self._propose(seqs, sampled, query_lens, captured) if self.speculator is not None else []
-        return StepOutput(sampled, logprobs, num_accepted, drafts)
+        t1 = self._now()
+        # The rank's copy of each request takes its new tokens; one that ended is forgotten and drafts no more.
+        ended = [bool(emitted) and self.requests.append(s, emitted) for s, emitted in zip(seqs, sampled)]
+        num_drafts = [0] * len(seqs)
+        if self.config.speculative is not None:
+            wanted = [s.step.num_draft if emitted and not end else 0 for s, emitted, end in zip(seqs, sampled, ended)]
+            self._propose(seqs, sampled, wanted, query_lens, captured)
+            num_drafts = [len(s.state.draft_ids) for s in seqs]
+        t2 = self._now()
+        return StepOutput(sampled, logprobs, num_accepted, num_drafts, target_s=t1 - t0, drafter_s=t2 - t1)
 
     def _verify(
-        self, seqs: list[SeqStep], sampling: list[int], logits: torch.Tensor | LogitsShard, meta: SamplingMetadata,
+        self, seqs: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor | LogitsShard, meta: SamplingMetadata,
         site: str,
     ):
         """Rejection-sample the drafts of every sampling sequence (k = 0: plain sampling), from the
@@ -195,11 +255,10 @@ class ModelRunner:
             drafts = s.token_ids[len(s.token_ids) - s.num_spec :]
             draft_ids += drafts
             num_drafts.append(s.num_spec)
-            q = self._draft_dists.pop(s.req_id, None)
-            # The driver may keep only a prefix of the drafts (max_tokens, token budget); their q
-            # is the same prefix. A preempted request's stale q is dropped here by its recompute,
-            # which verifies no drafts.
-            dists.append(q[: s.num_spec] if q is not None and q.shape[0] >= s.num_spec else None)
+            q = s.state.draft_dists
+            # The driver may verify only a prefix of the drafts (the chosen k, max_tokens, token
+            # budget); their q is the same prefix.
+            dists.append(q[: s.num_spec] if q is not None and s.num_spec else None)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.int64, device=self.device)
         sharded = isinstance(logits, LogitsShard)
         draft_dists = None
@@ -256,16 +315,21 @@ class ModelRunner:
             logprobs[i] = entries
 
     def _propose(
-        self, seqs: list[SeqStep], sampled: list[list[int]], query_lens: list[int], captured: dict[int, torch.Tensor]
-    ) -> list[list[int]]:
-        """Feed the drafter this step's verified tokens (and, if it reads them, the target's
-        hidden states of those tokens) and let it propose the next drafts."""
-        token_ids, propose, context_rows = [], [], []
+        self, seqs: list[ScheduledSeq], sampled: list[list[int]], wanted: list[int], query_lens: list[int],
+        captured: dict[int, torch.Tensor],
+    ) -> None:
+        """Feed the drafter this step's verified tokens (and, if it reads them, the target's hidden
+        states of those tokens) whatever k is, so its state stays valid, and keep ``wanted[i]``
+        drafts proposed for each request's next step (0: none)."""
+        if self.ngram is not None:
+            for s, n in zip(seqs, wanted):
+                s.state.draft_ids = self.ngram.propose(s.state.req.all_token_ids, n) if n else []
+            return
+        token_ids, context_rows = [], []
         offset = 0
         for s, emitted, n in zip(seqs, sampled, query_lens):
             real = s.token_ids[: len(s.token_ids) - s.num_spec]
             token_ids.append(real + emitted)  # emitted = accepted drafts + bonus/recovered token
-            propose.append(bool(emitted))
             # The target ran every kept token but the last emitted one (the bonus/recovered token).
             context_rows.extend(range(offset, offset + len(token_ids[-1]) - int(bool(emitted))))
             offset += n
@@ -273,7 +337,7 @@ class ModelRunner:
         if self.speculator.capture_layers:
             rows = torch.tensor(context_rows, dtype=torch.int64, device=self.device)
             features = torch.cat([captured[layer] for layer in self.speculator.capture_layers], dim=-1)[rows]
-        proposing = [i for i, p in enumerate(propose) if p]
+        proposing = [i for i, n in enumerate(wanted) if n]
         sampling = None
         if proposing and self.speculator.draft_sample_method == "probabilistic":
             sampling = SamplingMetadata.from_params(
@@ -281,9 +345,8 @@ class ModelRunner:
                 [0] * len(proposing), device=self.device,
             )
         out = self.speculator.propose(
-            DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs], propose, sampling, features)
+            DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs],
+                       [bool(e) for e in sampled], wanted, sampling, features)
         )
-        for s, q in zip(seqs, out.dists):
-            if q is not None:
-                self._draft_dists[s.req_id] = q
-        return out.drafts
+        for s, drafts, q in zip(seqs, out.drafts, out.dists):
+            s.state.draft_ids, s.state.draft_dists = drafts, q

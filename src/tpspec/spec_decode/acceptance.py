@@ -1,0 +1,75 @@
+"""Per-position draft acceptance rates, measured while serving, for the speculation-length controller.
+
+The rate at draft position j (1-based) is conditional: α_j = P(draft j accepted | drafts 1 … j − 1
+accepted). A verification of k drafts that accepted a of them tried positions 1 … min(a + 1, k)
+and accepted positions 1 … a. The expected number of accepted drafts when k are verified is then
+Σ_{j ≤ k} Π_{m ≤ j} α_m, and the j-th term is what the j-th draft adds (``marginal_gains``).
+
+Counts decay exponentially (old behaviour fades): engine-wide with a window of
+``ENGINE_WINDOW`` verifications, per request with ``REQUEST_WINDOW``. Estimates are shrunk
+toward a prior with a few pseudo-observations: the engine-wide rate at position j toward the
+engine-wide rate at j − 1 (position 1 toward ``PRIOR``), a request's rate toward the
+engine-wide one, so a request with little history behaves like the average request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PRIOR = 0.5  # acceptance assumed at position 1 before anything is measured
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind a prior
+ENGINE_WINDOW = 256  # verifications
+REQUEST_WINDOW = 32
+
+
+class _Counts:
+    def __init__(self, max_k: int, window: int):
+        self.accepted = np.zeros(max_k)  # [max_k] decayed counts, position j at index j − 1
+        self.tried = np.zeros(max_k)
+        self.decay = 1.0 - 1.0 / window
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.accepted *= self.decay
+        self.tried *= self.decay
+        self.tried[: min(num_accepted + 1, num_drafts)] += 1.0
+        self.accepted[:num_accepted] += 1.0
+
+
+class AcceptanceModel:
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.engine = _Counts(max_k, ENGINE_WINDOW)
+        self.requests: dict[str, _Counts] = {}
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """One verification of ``num_drafts`` drafts of which the first ``num_accepted`` were accepted."""
+        if num_drafts <= 0:
+            return
+        self.engine.observe(num_drafts, num_accepted)
+        counts = self.requests.get(req_id)
+        if counts is None:
+            counts = self.requests[req_id] = _Counts(self.max_k, REQUEST_WINDOW)
+        counts.observe(num_drafts, num_accepted)
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def engine_rates(self) -> np.ndarray:
+        """[max_k] α_j over all requests."""
+        rates = np.empty(self.max_k)
+        prior = PRIOR
+        for j in range(self.max_k):
+            prior = rates[j] = (self.engine.accepted[j] + PRIOR_WEIGHT * prior) / (self.engine.tried[j] + PRIOR_WEIGHT)
+        return rates
+
+    def request_rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
+        """[max_k] α_j of one request, shrunk toward the engine-wide rates."""
+        engine = self.engine_rates() if engine_rates is None else engine_rates
+        counts = self.requests.get(req_id)
+        if counts is None:
+            return engine
+        return (counts.accepted + PRIOR_WEIGHT * engine) / (counts.tried + PRIOR_WEIGHT)
+
+    def marginal_gains(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
+        """[max_k] expected accepted tokens added by the j-th draft: Π_{m ≤ j} α_m (non-increasing)."""
+        return np.cumprod(self.request_rates(req_id, engine_rates))

@@ -1,0 +1,203 @@
+"""The speculation-length controller: how many drafts each request verifies and proposes per step.
+
+Adaptive (the default), each step it maximizes expected emitted tokens per second of step time,
+
+    (Σ_i 1 + E[accepted_i(k_i)]) / step(k_1 … k_B),
+
+with E[accepted_i] from the per-position acceptance rates measured while serving
+(``acceptance.AcceptanceModel``) and the step time from the measured cost curves
+(``step_time.StepTimeModel``), in the steady state where the k drafts proposed now are the k
+verified next step. Draft j of request i adds Π_{m ≤ j} α_im tokens, which falls with j, so for a
+given total of D drafts the best split gives them out one at a time to the largest next gain;
+the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
+(D = 0, no speculation, when no draft pays). A request held at k = 0 for ``PROBE_INTERVAL``
+steps proposes one draft (a probe) so its rate keeps being measured.
+
+With ``adaptive: false`` every request proposes ``num_speculative_tokens``; with
+``num_speculative_tokens_per_batch_size`` the schedule's k for the step's batch size.
+Either way a request verifies at most the drafts the ranks hold for it and what its token
+budget, ``max_tokens`` and ``max_model_len`` leave.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from tpspec.config import SpeculativeConfig
+from tpspec.spec_decode.acceptance import AcceptanceModel
+from tpspec.spec_decode.step_time import StepTimeModel
+
+PROBE_INTERVAL = 16  # steps without drafts after which a request proposes one
+MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
+
+
+@dataclass
+class PlanRequest:
+    """One scheduled request as the controller sees it."""
+
+    req_id: str
+    samples: bool  # the step emits a token for it (a decode, or a prefill's last chunk)
+    num_held: int  # drafts the ranks hold for it, verifiable this step
+    max_verify: int  # most drafts it may verify this step (token budget, max_tokens, max_model_len)
+    max_propose: int  # most drafts worth proposing for its next step (max_tokens, max_model_len)
+
+
+@dataclass
+class Plan:
+    num_verify: list[int]  # per request: drafts verified this step
+    num_propose: list[int]  # per request: drafts proposed for the next step (0: the drafter is only fed)
+    target_rows: int  # rows of the target's forward
+    predicted_s: float | None  # the step-time model's prediction (adaptive only)
+
+
+class SpeculationLengthController:
+    def __init__(self, spec: SpeculativeConfig, step_time: StepTimeModel | None):
+        if spec.adaptive and step_time is None:
+            raise ValueError("an adaptive speculation length needs a step-time model")
+        self.spec = spec
+        self.method = spec.method
+        self.max_k = spec.num_speculative_tokens
+        self.step_time = step_time
+        self.acceptance = AcceptanceModel(self.max_k)
+        self._steps_without_drafts: dict[str, int] = {}
+        self._probing: set[str] = set()
+        self.k_histogram = [0] * (self.max_k + 1)  # chosen k (drafts proposed), per sampling request-step
+        self.num_timed_steps = 0
+        self.predicted_s_total = 0.0
+        self.measured_s_total = 0.0
+
+    # ---- choosing -----------------------------------------------------------------------------
+    def plan(self, reqs: list[PlanRequest], real_rows: int) -> Plan:
+        """k for every scheduled request; ``real_rows``: the step's real (non-draft) tokens."""
+        if self.spec.adaptive:
+            ks = self._adaptive_ks(reqs, real_rows)
+        else:
+            k = self.spec.k_for_batch_size(len(reqs))
+            ks = [k if r.samples else 0 for r in reqs]
+        verify, propose = [], []
+        for r, k in zip(reqs, ks):
+            if not r.samples:
+                verify.append(0)
+                propose.append(0)
+                continue
+            wanted = r.num_held if r.req_id in self._probing else k
+            self._probing.discard(r.req_id)
+            verify.append(max(0, min(wanted, r.num_held, r.max_verify)))
+            propose.append(min(k, r.max_propose))
+            if self.spec.adaptive:
+                idle = self._steps_without_drafts.get(r.req_id, 0) + 1 if propose[-1] == 0 else 0
+                if idle >= PROBE_INTERVAL and r.max_propose > 0:
+                    propose[-1], idle = 1, 0
+                    self._probing.add(r.req_id)
+                self._steps_without_drafts[r.req_id] = idle
+            self.k_histogram[propose[-1]] += 1
+        target_rows = real_rows + sum(verify)
+        predicted = None
+        if self.step_time is not None:
+            predicted = self.step_time.predict(target_rows, real_rows, [p for p, r in zip(propose, reqs) if r.samples])
+        return Plan(verify, propose, target_rows, predicted)
+
+    def _adaptive_ks(self, reqs: list[PlanRequest], real_rows: int) -> list[int]:
+        model = self.step_time
+        rates = self.acceptance.engine_rates()
+        ks = [0] * len(reqs)
+        gains = {}
+        heap: list[tuple[float, int]] = []
+        for i, r in enumerate(reqs):
+            # Near its end a request may verify one draft more than it may propose.
+            cap = max(r.max_propose, min(r.num_held, r.max_verify))
+            if r.samples and cap > 0:
+                gains[i] = self.acceptance.marginal_gains(r.req_id, rates)[:cap]
+                heapq.heappush(heap, (-float(gains[i][0]), i))
+        base_tokens = sum(r.samples for r in reqs)
+        if not heap or base_tokens == 0:
+            return ks
+        cost = _DraftCost(self.method, model)
+        fixed = model.feed(real_rows) + model.overhead
+        tokens, drafts = float(base_tokens), 0
+        best_rate, best_drafts = tokens / (model.target(real_rows) + fixed), 0
+        order = []
+        while heap:
+            neg_gain, i = heapq.heappop(heap)
+            if -neg_gain < MIN_GAIN:
+                break
+            order.append(i)
+            tokens += -neg_gain
+            drafts += 1
+            cost.add(ks[i])
+            ks[i] += 1
+            rate = tokens / (model.target(real_rows + drafts) + fixed + cost.seconds)
+            if rate > best_rate:
+                best_rate, best_drafts = rate, drafts
+            if ks[i] < len(gains[i]):
+                heapq.heappush(heap, (-float(gains[i][ks[i]]), i))
+        ks = [0] * len(reqs)
+        for i in order[:best_drafts]:
+            ks[i] += 1
+        return ks
+
+    # ---- learning -----------------------------------------------------------------------------
+    def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe(req_id, num_drafts, num_accepted)
+
+    def observe_step(
+        self, plan: Plan, reqs: list[PlanRequest], real_rows: int, num_accepted: list[int],
+        target_s: float, drafter_s: float, step_s: float,
+    ) -> None:
+        """A step's measured phase times (from rank 0) and wall time (on the driver)."""
+        self.num_timed_steps += 1
+        self.measured_s_total += step_s
+        if self.step_time is None:
+            return
+        self.predicted_s_total += plan.predicted_s or 0.0
+        ks = [p for p, r in zip(plan.num_propose, reqs) if r.samples]
+        self.step_time.observe(plan.target_rows, real_rows + sum(num_accepted), ks, target_s, drafter_s, step_s)
+
+    def forget(self, req_id: str) -> None:
+        """A request ended: drop what was kept about it."""
+        self.acceptance.forget(req_id)
+        self._steps_without_drafts.pop(req_id, None)
+        self._probing.discard(req_id)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def as_dict(self) -> dict:
+        n = sum(self.k_histogram)
+        out = {
+            "speculation_length": "adaptive" if self.spec.adaptive else "fixed",
+            "num_speculative_tokens_histogram": list(self.k_histogram),
+            "mean_num_speculative_tokens": sum(k * c for k, c in enumerate(self.k_histogram)) / n if n else 0.0,
+            "acceptance_rate_per_pos_estimate": self.acceptance.engine_rates().tolist(),
+            "num_timed_steps": self.num_timed_steps,
+            "step_time_measured_s_total": self.measured_s_total,
+        }
+        if self.step_time is not None:
+            out["step_time_predicted_s_total"] = self.predicted_s_total
+            out["step_time_model"] = self.step_time.as_dict()
+        return out
+
+
+class _DraftCost:
+    """The drafting passes' seconds as drafts are handed out one at a time (``step_time.draft_passes``,
+    kept incrementally)."""
+
+    def __init__(self, method: str, model: StepTimeModel):
+        self.method, self.curve = method, model.draft
+        self.rows = 0  # dflash: rows of the one block pass
+        self.pass_rows: list[int] = []  # chains: rows of pass j
+        self.seconds = 0.0
+
+    def add(self, k_before: int) -> None:
+        """One more draft for a request that had ``k_before``."""
+        if self.method == "ngram":
+            return
+        if self.method == "dflash":
+            old = self.rows
+            self.rows += 2 if k_before == 0 else 1
+            self.seconds += self.curve(self.rows) - self.curve(old)
+            return
+        if k_before == len(self.pass_rows):
+            self.pass_rows.append(0)
+        old = self.pass_rows[k_before]
+        self.pass_rows[k_before] += 1
+        self.seconds += self.curve(old + 1) - self.curve(old)

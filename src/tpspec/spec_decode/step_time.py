@@ -1,0 +1,134 @@
+"""How long an engine step takes, as a function of its rows: the speculation-length controller's cost.
+
+    step(k) = target(target rows) + feed(feed rows) + Σ_passes draft(pass rows) + overhead
+
+* ``target(r)``: the target's forward, LM head and verification over r rows (every fed token, the
+  drafts being verified included);
+* ``feed(r)``: the drafter's work that does not depend on k, for r kept tokens (DFlash writes their
+  context K/V, EAGLE-3 refeeds them, a draft model runs them);
+* ``draft(r)``: one drafting pass over r rows (forward, LM head and draft sampling). Which passes
+  a choice of k per request makes depends on the method (``draft_passes``);
+* ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
+
+Each curve is piecewise linear on a grid of row counts, measured by a short profile at start-up
+(``ModelRunner.profile_step_time``) and corrected online from every step's measured phase times
+by normalized least mean squares: the error of a step's prediction is spread over the grid
+points the prediction used, in proportion to their weight in it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
+OVERHEAD_DECAY = 0.9
+
+
+def profile_grid(max_rows: int) -> list[int]:
+    """Row counts to profile: powers of two up to ``max_rows``, and ``max_rows`` itself."""
+    grid = [1]
+    while grid[-1] * 2 < max_rows:
+        grid.append(grid[-1] * 2)
+    if grid[-1] < max_rows:
+        grid.append(max_rows)
+    return grid
+
+
+def draft_passes(method: str, ks: list[int]) -> list[int]:
+    """Rows of each drafting pass when the requests of a step propose ``ks`` drafts each.
+    DFlash runs one block of k + 1 rows per proposing request; chain drafters (EAGLE-3, a draft
+    model) run pass j over the requests that want at least j drafts; n-gram lookup runs none."""
+    if method == "ngram":
+        return []
+    if method == "dflash":
+        rows = sum(k + 1 for k in ks if k > 0)
+        return [rows] if rows else []
+    return [sum(1 for k in ks if k >= j) for j in range(1, max(ks, default=0) + 1)]
+
+
+class PiecewiseLinear:
+    """y(x) linear between grid points ``xs``, extended along the last segment past the last one
+    (and through (0, 0) below the first)."""
+
+    def __init__(self, xs: list[int], ys: list[float]):
+        if len(xs) != len(ys) or not xs:
+            raise ValueError("a curve needs as many values as grid points, at least one")
+        self.xs = np.asarray(xs, dtype=np.float64)  # [points] increasing
+        self.ys = np.maximum.accumulate(np.maximum(np.asarray(ys, dtype=np.float64), 0.0))  # [points]
+
+    def basis(self, x: float) -> list[tuple[int, float]]:
+        """(grid index, weight) pairs with y(x) = Σ weight · ys[index]."""
+        xs = self.xs
+        if x <= 0:
+            return []
+        if len(xs) == 1 or x <= xs[0]:
+            return [(0, x / xs[0])]
+        i = min(int(np.searchsorted(xs, x)) - 1, len(xs) - 2)
+        t = (x - xs[i]) / (xs[i + 1] - xs[i])  # > 1 past the last point: extrapolation
+        return [(i, 1.0 - t), (i + 1, t)]
+
+    def __call__(self, x: float) -> float:
+        return sum(w * self.ys[i] for i, w in self.basis(x))
+
+    def values(self) -> list[float]:
+        return self.ys.tolist()
+
+
+class StepTimeModel:
+    def __init__(self, method: str, target: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear):
+        self.method = method
+        self.target, self.feed, self.draft = target, feed, draft
+        self.overhead = 0.0  # seconds per step
+
+    def predict_phases(self, target_rows: int, feed_rows: int, ks: list[int]) -> tuple[float, float]:
+        """(target seconds, drafter seconds) of a step."""
+        drafter = self.feed(feed_rows) + sum(self.draft(r) for r in draft_passes(self.method, ks))
+        return self.target(target_rows), drafter
+
+    def predict(self, target_rows: int, feed_rows: int, ks: list[int]) -> float:
+        return sum(self.predict_phases(target_rows, feed_rows, ks)) + self.overhead
+
+    def observe(
+        self, target_rows: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float, step_s: float
+    ) -> None:
+        """Correct the curves with one step's measured phase times (and its wall time)."""
+        _nlms(self.target, [target_rows], target_s)
+        if self.method != "ngram":
+            passes = draft_passes(self.method, ks)
+            _nlms_joint([(self.feed, [feed_rows]), (self.draft, passes)], drafter_s)
+        rest = max(0.0, step_s - target_s - drafter_s)
+        self.overhead = OVERHEAD_DECAY * self.overhead + (1.0 - OVERHEAD_DECAY) * rest
+
+    def as_dict(self) -> dict:
+        return {
+            "grid": self.target.xs.astype(int).tolist(),
+            "target_s": self.target.values(),
+            "feed_s": self.feed.values(),
+            "draft_pass_s": self.draft.values(),
+            "overhead_s": self.overhead,
+        }
+
+
+def _nlms(curve: PiecewiseLinear, xs: list[int], observed: float) -> None:
+    _nlms_joint([(curve, xs)], observed)
+
+
+def _nlms_joint(terms: list[tuple[PiecewiseLinear, list[int]]], observed: float) -> None:
+    """Normalized LMS on the sum Σ_curves Σ_x curve(x) against one observed total."""
+    weights: list[tuple[PiecewiseLinear, dict[int, float]]] = []
+    predicted, norm = 0.0, 0.0
+    for curve, xs in terms:
+        w: dict[int, float] = {}
+        for x in xs:
+            for i, b in curve.basis(x):
+                w[i] = w.get(i, 0.0) + b
+        predicted += sum(b * curve.ys[i] for i, b in w.items())
+        norm += sum(b * b for b in w.values())
+        weights.append((curve, w))
+    if norm == 0.0:
+        return
+    step = LEARNING_RATE * (observed - predicted) / norm
+    for curve, w in weights:
+        for i, b in w.items():
+            curve.ys[i] = max(curve.ys[i] + step * b, 0.0)
+        curve.ys[:] = np.maximum.accumulate(curve.ys)
