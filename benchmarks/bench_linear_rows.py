@@ -1,5 +1,5 @@
-"""float32 CPU matmuls with few rows: X·Aᵀ (``F.linear``) against (A·Xᵀ)ᵀ (and, for one row, padded
-to two columns), over the default model's
+"""float32 CPU matmuls by row count: X·Aᵀ (``F.linear``, MKL), (A·Xᵀ)ᵀ, and oneDNN's matmul on the
+weight reordered once (``layers.linear.OneDNNWeight``, what tpspec runs up to 64 rows), over the default model's
 weights as a forward streams them (every matrix of all 30 layers, then the LM head: 538 MB, far
 more than any cache), for the row counts a decode, a speculative verification or a draft block has.
 
@@ -18,18 +18,20 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tpspec.layers.linear import ONEDNN_PACK_ROWS, linear
+
 # SmolLM2-135M: hidden 576, 9 heads + 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152.
 LAYER_SHAPES = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
 NUM_LAYERS = 30
 LM_HEAD = (49152, 576)
 
 
-def variants():
+def variants(packed: dict[int, torch.Tensor]):
+    """name -> fn(x, w); ``packed`` maps id(w) to its reordered weight."""
     return {
         "x_at": lambda x, w: F.linear(x, w),
         "a_xt": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
-        # One row padded to two columns (what layers.linear.linear does): a GEMM, not a matrix-vector product.
-        "a_xt_pad2": lambda x, w: torch.mm(w, (x if x.shape[0] > 1 else x.repeat(2, 1)).t())[:, : x.shape[0]].t().contiguous(),
+        "onednn": lambda x, w: linear(x, w, packed=packed[id(w)]),
     }
 
 
@@ -55,13 +57,14 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(s, generator=gen) for _ in range(NUM_LAYERS) for s in LAYER_SHAPES]
     head = torch.randn(LM_HEAD, generator=gen)
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS) for w in [*weights, head]}
     results = []
     for rows in args.rows:
         x = torch.randn(rows, 576, generator=gen)
         xm = torch.randn(rows, 1536, generator=gen)
-        best = {name: [float("inf"), float("inf")] for name in variants()}  # layers, head
+        best = {name: [float("inf"), float("inf")] for name in variants(packed)}  # layers, head
         for _ in range(args.repeats):
-            for name, fn in variants().items():
+            for name, fn in variants(packed).items():
                 t0 = time.perf_counter()
                 for w in weights:
                     fn(xm if w.shape[1] == 1536 else x, w)

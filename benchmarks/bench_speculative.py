@@ -1,15 +1,18 @@
-"""Speculative decoding on held-out HumanEval prompts (issue #5): acceptance length per method and
-k, and TPOT against no speculation at concurrency 1 and 32, default model, greedy.
+"""Speculation length on held-out HumanEval: plain decoding, fixed k and the adaptive controller,
+per method, concurrency and TP size (default model, greedy, 128 tokens).
 
-For every configuration one engine runs (TP ``--tp``):
-  concurrency 1    ``--num-c1`` prompts, one request at a time
-  concurrency N    ``--concurrency`` prompts submitted at once
-Per request, TPOT = (finish time − first-token time) / (output tokens − 1), the ``vllm bench
-serve`` definition, timed around ``LLMEngine.step``; the mean over requests is reported.
-Acceptance length = 1 + accepted / drafts over the whole run (bonus token included). Every
-speculative run's greedy tokens are checked against the run without speculation.
+For every configuration a fresh process runs one engine (TP ``--tp``) through each
+``--concurrency`` level in turn: at most c requests in flight (a new one starts when one ends),
+``--num-prompts`` (default: max(8, 2c)) HumanEval prompts from index ``--first-prompt`` on (the
+shipped drafter never trained on HumanEval; its trainer evaluates on the first 32), after one
+warm-up request. Figures, as ``vllm bench serve`` defines them: output throughput = output tokens
+/ wall time; TPOT per request = (finish − first token) / (output tokens − 1), the mean over
+requests; acceptance length = 1 + accepted / drafts; mean k = drafts proposed per request-step
+(``num_speculative_tokens_histogram``); mean step = wall time / engine steps. Each figure is also
+given as a ratio to plain decoding at the same concurrency in the same run, and every run's
+greedy tokens are compared with plain decoding's.
 
-  python3 benchmarks/bench_speculative.py --result-file benchmarks/results/speculative.json
+  python3 benchmarks/bench_speculative.py --tp 1 --result-file benchmarks/results/speculative_tp1.json
 """
 
 from __future__ import annotations
@@ -17,118 +20,173 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
+import os
+import subprocess
+import sys
 import time
 
-import torch
-
-from tpspec.bench.datasets import humaneval_prompts
-from tpspec.engine.llm_engine import LLMEngine
-from tpspec.sampling_params import SamplingParams
+from machine import machine_info
 
 logger = logging.getLogger("bench_speculative")
 
-CONFIGS = {
-    "none": None,
-    "dflash-k15": {"method": "dflash", "num_speculative_tokens": 15, "use_local_argmax_reduction": True},
-    "dflash-k7": {"method": "dflash", "num_speculative_tokens": 7, "use_local_argmax_reduction": True},
-    "dflash-k3": {"method": "dflash", "num_speculative_tokens": 3, "use_local_argmax_reduction": True},
-    "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4},
-}
+
+def configs(methods: list[str], ks: list[int]) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"plain": None}
+    for method in methods:
+        for k in ks:
+            out[f"{method}-k{k}"] = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+        out[f"{method}-adaptive"] = {"method": method, "num_speculative_tokens": max(ks)}
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--methods", nargs="+", default=["dflash", "ngram"])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7, 15], help="fixed k; the adaptive runs use max")
+    p.add_argument("--configs", nargs="+", default=None, help="only these (names as printed); default all")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, 2c))")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-c1", type=int, default=8, help="prompts run one at a time")
-    p.add_argument("--concurrency", type=int, default=32, help="prompts submitted at once (0: skip)")
-    p.add_argument("--first-prompt", type=int, default=64, help="index of the first HumanEval prompt used (the trainer evaluates on the first 32)")
+    p.add_argument("--first-prompt", type=int, default=64)
     p.add_argument("--result-file", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
     return p.parse_args(argv)
 
 
-def run_batch(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> list[dict]:
-    """Submit all prompts, step until done; per request: tokens, TPOT (s)."""
-    first, done, tokens = {}, {}, {}
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
+def num_prompts(args, c: int) -> int:
+    return args.num_prompts or max(8, 2 * c)
+
+
+def run_level(engine, prompts: list[str], concurrency: int, params) -> dict:
+    """Keep ``concurrency`` requests in flight until every prompt is done."""
+    pending, first, done, tokens = list(prompts), {}, {}, {}
+    steps0 = engine.get_stats()["num_steps"]
+    t0 = time.perf_counter()
+    in_flight = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            engine.add_request(pending.pop(0), params)
+            in_flight += 1
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
-            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+            if o.outputs[0].token_ids and o.request_id not in first:
                 first[o.request_id] = now
             if o.finished:
                 done[o.request_id], tokens[o.request_id] = now, list(o.outputs[0].token_ids)
-    rows = []
-    for rid in ids:
-        n = len(tokens[rid])
-        rows.append({"tokens": tokens[rid], "tpot_s": (done[rid] - first[rid]) / (n - 1) if n > 1 else None})
-    return rows
-
-
-def spec_figures(before: dict, after: dict) -> dict:
-    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-    drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
-    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+                in_flight -= 1
+    wall = time.perf_counter() - t0
+    ids = sorted(tokens, key=lambda r: int(r.split("-")[1]))
+    tpots = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in ids if len(tokens[r]) > 1]
+    steps = engine.get_stats()["num_steps"] - steps0
     return {
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "drafts": drafts,
+        "tokens": [tokens[r] for r in ids],
+        "output_tokens": sum(len(tokens[r]) for r in ids),
+        "wall_s": wall,
+        "output_tok_s": sum(len(tokens[r]) for r in ids) / wall,
+        "mean_tpot_ms": 1000 * sum(tpots) / len(tpots),
+        "num_steps": steps,
+        "mean_step_ms": 1000 * wall / steps,
     }
 
 
-def mean(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
+def spec_delta(before: dict, after: dict) -> dict:
+    if "num_drafts" not in after:
+        return {}
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    hist = [a - b for a, b in zip(after["num_speculative_tokens_histogram"], before["num_speculative_tokens_histogram"])]
+    n = sum(hist)
+    return {
+        "acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
+        "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
+        "mean_k": sum(k * c for k, c in enumerate(hist)) / n if n else None,
+        "k_histogram": hist,
+    }
+
+
+def worker(args) -> None:
+    """Run one configuration through every concurrency level; print one JSON line per level."""
+    from tpspec.bench.datasets import humaneval_prompts
+    from tpspec.engine.llm_engine import LLMEngine
+    from tpspec.sampling_params import SamplingParams
+
+    spec = json.loads(args.worker)
+    n = max(num_prompts(args, c) for c in args.concurrency)
+    prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine = LLMEngine.from_args(tensor_parallel_size=args.tp, speculative_config=spec, max_num_seqs=max(64, *args.concurrency))
+    try:
+        for c in args.concurrency:
+            run_level(engine, prompts[:1], 1, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+            before = engine.get_stats()
+            res = run_level(engine, prompts[: num_prompts(args, c)], c, params)
+            res.update(concurrency=c, **spec_delta(before, engine.get_stats()))
+            print("RESULT " + json.dumps(res), flush=True)
+    finally:
+        engine.shutdown()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    n = max(args.num_c1, args.concurrency)
-    prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    results, reference = [], {}
-    for name in args.configs:
-        engine = LLMEngine.from_args(tensor_parallel_size=args.tp, speculative_config=CONFIGS[name], max_num_seqs=64)
-        try:
-            run_batch(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-            for conc, ps in (("1", prompts[: args.num_c1]), (str(args.concurrency), prompts[: args.concurrency])):
-                if not ps:
-                    continue
-                before = engine.get_stats()
-                t0 = time.perf_counter()
-                rows = [r for p in ps for r in run_batch(engine, [p], params)] if conc == "1" else run_batch(engine, ps, params)
-                wall = time.perf_counter() - t0
-                toks = [r["tokens"] for r in rows]
-                key = (conc, len(ps))
-                if name == "none":
-                    reference[key] = toks
-                same = None if key not in reference else sum(a == b for a, b in zip(toks, reference[key]))
-                res = {"config": name, "speculative_config": CONFIGS[name], "concurrency": int(conc),
-                       "requests": len(ps), "output_tokens": sum(map(len, toks)), "wall_s": round(wall, 2),
-                       "output_tok_s": sum(map(len, toks)) / wall, "mean_tpot_ms": 1000 * mean([r["tpot_s"] for r in rows]),
-                       "greedy_equal_to_none": same, **spec_figures(before, engine.get_stats())}
-                results.append(res)
-                logger.info("%s", res)
-        finally:
-            engine.shutdown()
-    base = {(r["concurrency"]): r["mean_tpot_ms"] for r in results if r["config"] == "none"}
-    print("| Config | Concurrency | Acceptance length | Mean TPOT (ms) | TPOT speedup | Output tok/s | Greedy = none |")
-    print("|---|---|---|---|---|---|---|")
+    if args.worker is not None:
+        worker(args)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    machine = machine_info()
+    todo = configs(args.methods, args.ks)
+    if args.configs:
+        todo = {name: todo[name] for name in args.configs}
+    results = []
+    for name, spec in todo.items():
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec), "--tp", str(args.tp),
+               "--max-tokens", str(args.max_tokens), "--first-prompt", str(args.first_prompt),
+               "--concurrency", *map(str, args.concurrency)]
+        if args.num_prompts:
+            cmd += ["--num-prompts", str(args.num_prompts)]
+        logger.info("%s: %s", name, spec)
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
+        for line in out.stdout.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[len("RESULT "):])
+                results.append({"config": name, "speculative_config": spec, **r})
+                logger.info("%s c=%d: %.1f tok/s, TPOT %.1f ms, acceptance %s, mean k %s", name, r["concurrency"],
+                            r["output_tok_s"], r["mean_tpot_ms"], r.get("acceptance_length"), r.get("mean_k"))
+    plain = {r["concurrency"]: r for r in results if r["config"] == "plain"}
     for r in results:
-        al = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
-        speed = f"{base[r['concurrency']] / r['mean_tpot_ms']:.2f}x" if r["concurrency"] in base else "-"
-        eq = "-" if r["greedy_equal_to_none"] is None else f"{r['greedy_equal_to_none']}/{r['requests']}"
-        print(f"| {r['config']} | {r['concurrency']} | {al} | {r['mean_tpot_ms']:.1f} | {speed} | {r['output_tok_s']:.1f} | {eq} |")
+        base = plain.get(r["concurrency"])
+        if base is not None:
+            r["throughput_vs_plain"] = r["output_tok_s"] / base["output_tok_s"]
+            r["tpot_speedup_vs_plain"] = base["mean_tpot_ms"] / r["mean_tpot_ms"]
+            r["step_cost_vs_plain"] = r["mean_step_ms"] / base["mean_step_ms"]
+            r["greedy_equal_to_plain"] = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+    print(format_table(results, args.tp))
     if args.result_file:
-        meta = {"torch": torch.__version__, "machine": platform.machine(), "tp": args.tp, "max_tokens": args.max_tokens,
-                "prompts": f"HumanEval[{args.first_prompt}:{args.first_prompt + n}]"}
+        for r in results:
+            r.pop("tokens")
         with open(args.result_file, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"machine": machine, "tp": args.tp, "max_tokens": args.max_tokens,
+                       "prompts": f"HumanEval from index {args.first_prompt}", "results": results}, f, indent=1)
     return 0
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(results: list[dict], tp: int) -> str:
+    lines = [f"TP {tp}", "| Config | c | Output tok/s | × plain | Mean TPOT (ms) | TPOT × plain | Mean step × plain "
+             "| Acceptance length | Mean k | Greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["concurrency"]):
+        lines.append(
+            f"| {r['config']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {_f(r.get('throughput_vs_plain'), '.2f')} "
+            f"| {r['mean_tpot_ms']:.1f} | {_f(r.get('tpot_speedup_vs_plain'), '.2f')} | {_f(r.get('step_cost_vs_plain'), '.2f')} "
+            f"| {_f(r.get('acceptance_length'), '.2f')} | {_f(r.get('mean_k'), '.2f')} "
+            f"| {r.get('greedy_equal_to_plain', '-')}/{len(r['tokens'])} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

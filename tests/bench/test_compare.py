@@ -73,6 +73,7 @@ def test_compare_end_to_end(model, tmp_path, capsys):
     runs = out["runs"]
     assert [(r["config"], r["max_concurrency"]) for r in runs] == [(BASELINE, 1), (BASELINE, 4), (FLAGGED, 1), (FLAGGED, 4)]
     assert [r["speculative_config"].get(FLAG) for r in runs] == [None, None, True, True]
+    assert all(r["speculative_config"]["adaptive"] is False for r in runs)  # k pinned by default
     assert out["server"]["tensor_parallel_size"] == 1 and out["concurrencies"] == [1, 4]
     for r in runs:
         assert (r["completed"], r["failed"]) == (4, 0)

@@ -30,7 +30,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": K}
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": K, "adaptive": False}
     proc = ServerProcess(
         [tiny_llama, "--served-model-name", MODEL, "--speculative-config", json.dumps(spec),
          "--max-model-len", "512", "--num-kv-blocks", "160"],

@@ -1,6 +1,8 @@
 """``layers.linear.linear``: float16 on CPU goes through float32 past a few rows, and gives what
-the native float16 matmul gives up to its last rounding; float32 on CPU with few rows runs as
-(A·Xᵀ)ᵀ, equal to ``F.linear`` up to float32 rounding, every row computed as if alone."""
+the native float16 matmul gives up to its last rounding; float32 CPU layers run through their
+weight reordered for oneDNN (``OneDNNWeight.packed_weight``) up to ONEDNN_MAX_ROWS rows, padded to
+a row bucket (so oneDNN's per-shape kernels stay few), equal to ``F.linear`` up to float32
+rounding, and reorder again when their weight changes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, CPU_FLOAT32_TRANSPOSED_MAX_ROWS, linear
+from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, ReplicatedLinear, linear
 
 
 @pytest.mark.parametrize("rows", [1, CPU_FLOAT16_MAX_ROWS, CPU_FLOAT16_MAX_ROWS + 1, 64])
@@ -32,18 +34,43 @@ def test_bfloat16_uses_the_native_kernel():
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, CPU_FLOAT32_TRANSPOSED_MAX_ROWS, CPU_FLOAT32_TRANSPOSED_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 33, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_few_rows_transposed(rows, bias):
+def test_float32_layers_run_through_the_reordered_weight(rows, bias, monkeypatch):
     g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 96, generator=g), torch.randn(80, 96, generator=g)
-    b = torch.randn(80, generator=g) if bias else None
-    out = linear(x, w, b)
-    assert out.shape == (rows, 80) and out.is_contiguous()
-    if rows <= CPU_FLOAT32_TRANSPOSED_MAX_ROWS:
-        xt = x.t() if rows > 1 else x.repeat(2, 1).t()
-        ref = torch.mm(w, xt)[:, :rows].t() + (0 if b is None else b)
-        assert torch.equal(out, ref)
+    layer = ReplicatedLinear(96, 80, bias, torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(80, generator=g))
+    layer.packed_weight()
+    x = torch.randn(rows, 96, generator=g)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or pointwise(x, *a))
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (rows, 80)
+    if rows <= ONEDNN_MAX_ROWS:  # padded up to the smallest bucket that holds it
+        assert calls == [min(b for b in ONEDNN_ROW_BUCKETS if b >= rows)]
     else:
-        assert torch.equal(out, F.linear(x, w, b))
-    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert calls == []
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_reordered_weight_follows_the_weight(monkeypatch):
+    layer = ReplicatedLinear(32, 16, False, torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 32))
+    x = torch.randn(3, 32)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or pointwise(x, *a))
+    first = layer.packed_weight()
+    assert calls == list(ONEDNN_ROW_BUCKETS)  # every bucket's kernel built at once
+    assert layer.packed_weight() is first  # reordered once
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # e.g. weights loaded again
+    assert layer.packed_weight() is not first
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+    assert ReplicatedLinear(32, 16, False, torch.bfloat16).packed_weight() is None

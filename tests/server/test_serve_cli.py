@@ -32,7 +32,7 @@ PROMPT = "import os\nimport sys\n"
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("serve") / "server.log")
-    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": SPEC_TOKENS}
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": SPEC_TOKENS, "adaptive": False}
     proc = ServerProcess(
         [tiny_llama, "--served-model-name", MODEL, "--api-key", KEY, "--tensor-parallel-size", "2",
          "--speculative-config", json.dumps(spec), "--max-model-len", str(ENGINE["max_model_len"]),

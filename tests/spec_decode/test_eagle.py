@@ -43,7 +43,7 @@ DRAFT_PADDED_VOCAB = 512
 
 
 def _spec(model: str, flag: bool, **kw) -> dict:
-    return dict(dict(method="eagle3", model=model, num_speculative_tokens=3, use_local_argmax_reduction=flag), **kw)
+    return dict(dict(method="eagle3", model=model, num_speculative_tokens=3, use_local_argmax_reduction=flag, adaptive=False), **kw)
 
 
 CASES = {

@@ -96,21 +96,25 @@ DRAFT_LOGITS = torch.tensor([  # a deliberately different draft
 
 
 def simulate(verify, params: SamplingParams, k: int, num_tokens: int, n: int,
-             draft_mode: str = "probabilistic", seed_base: int = 0) -> torch.Tensor:
+             draft_mode: str = "probabilistic", seed_base: int = 0, k_of=None) -> torch.Tensor:
     """Speculatively decode ``num_tokens`` tokens for n requests (prompt ends in token 0).
 
     ``draft_mode``: "probabilistic" draws drafts from softmax(DRAFT_LOGITS[prev]) with the DRAFT
     noise stream and passes q; "greedy" proposes argmax(DRAFT_LOGITS[prev]) (q = point mass).
-    Returns ``[n, num_tokens]`` int64.
+    ``k_of(step, n)``, if given: each request's number of drafts at that step (0 … k), in place of
+    k for all. Returns ``[n, num_tokens]`` int64.
     """
     seeds = torch.arange(n, dtype=torch.int64) + seed_base
     last = torch.zeros(n, dtype=torch.int64)
     pos = torch.full((n,), 10, dtype=torch.int64)
     out = [[] for _ in range(n)]
     ids = torch.arange(V)
+    step = 0
     while min(len(o) for o in out) < num_tokens:
+        ks = [k] * n if k_of is None else k_of(step, n)
+        step += 1
         prev, drafts, dists = last, [], []
-        for j in range(k):
+        for j in range(max(ks)):
             q_logits = DRAFT_LOGITS[prev]  # [n, V]
             if draft_mode == "probabilistic":
                 d = (torch.log_softmax(q_logits, -1) + gumbel(seeds, pos + j, ids, DRAFT)).argmax(-1)
@@ -120,21 +124,24 @@ def simulate(verify, params: SamplingParams, k: int, num_tokens: int, n: int,
             drafts.append(d)
             prev = d
         chain = [last] + drafts  # the token before each target row
-        target = torch.stack([TARGET[c] for c in chain], 1).reshape(n * (k + 1), V)
-        draft_ids = torch.stack(drafts, 1).reshape(-1) if k else torch.zeros(0, dtype=torch.int64)
-        q = torch.stack(dists, 1).reshape(n * k, V) if dists else None
+        # Request i verifies its first ks[i] drafts: rows chain[0 … ks[i]], request by request.
+        target = torch.cat([torch.stack([TARGET[c[i]] for c in chain[: ki + 1]]) for i, ki in enumerate(ks)])
+        draft_ids = torch.tensor([int(drafts[j][i]) for i, ki in enumerate(ks) for j in range(ki)], dtype=torch.int64)
+        q = torch.stack([dists[j][i] for i, ki in enumerate(ks) for j in range(ki)]) if dists and sum(ks) else None
         q_d = q.gather(1, draft_ids[:, None])[:, 0] if q is not None else None
+        rows = sum(ks) + n
+        counts = torch.tensor(ks) + 1
         md = SamplingMetadata(
-            temperature=torch.full((n * (k + 1),), params.temperature),
-            top_k=torch.full((n * (k + 1),), params.top_k, dtype=torch.int64),
-            top_p=torch.full((n * (k + 1),), params.top_p),
-            min_p=torch.full((n * (k + 1),), params.min_p),
-            seeds=seeds.repeat_interleave(k + 1),
-            positions=(pos[:, None] + torch.arange(k + 1)).reshape(-1),
+            temperature=torch.full((rows,), params.temperature),
+            top_k=torch.full((rows,), params.top_k, dtype=torch.int64),
+            top_p=torch.full((rows,), params.top_p),
+            min_p=torch.full((rows,), params.min_p),
+            seeds=seeds.repeat_interleave(counts),
+            positions=torch.cat([p + torch.arange(c) for p, c in zip(pos.tolist(), counts.tolist())]),
             max_num_logprobs=None, all_greedy=params.is_greedy, all_random=not params.is_greedy,
             no_top_k_top_p_min_p=params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0,
         )
-        res = verify(target, draft_ids, [k] * n, md, q_d, q)
+        res = verify(target, draft_ids, ks, md, q_d, q)
         for i, toks in enumerate(res.output_token_ids):
             out[i].extend(toks)
         last = torch.tensor([o[-1] for o in out])
@@ -406,6 +413,29 @@ def test_greedy_drafts_preserve_the_target_distribution(monkeypatch):
         assert min(broken.values()) < FAIL, (bug, broken)
     broken = fit(simulate_with_accept_stream_reused(monkeypatch, params, 2, 3, BROKEN_TRIALS, "greedy"), params)
     assert min(broken.values()) < FAIL, ("accept_stream_reused", broken)
+
+
+def random_ks(k: int, seed: int):
+    """Each request's k drawn anew at every step from 0 … k (seeded): what an adaptive controller may do."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda step, n: torch.randint(0, k + 1, (n,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("mode", ["probabilistic", "greedy"])
+def test_varying_k_preserves_the_target_distribution(mode):
+    """Any speculation length is lossless: k changing from step to step and request to request,
+    k = 0 included, leaves the emitted distribution the target's."""
+    params = SamplingParams(temperature=1.0)
+    real = fit(simulate(RejectionSampler(), params, 3, 3, TRIALS, mode, k_of=random_ks(3, 5)), params)
+    assert min(real.values()) > PASS, real
+
+    def misaligned(target_logits, draft_ids, ks, md, draft_probs, draft_dists):
+        # Broken bookkeeping: the right rows, but each request told its neighbour's k.
+        return RejectionSampler()(target_logits, draft_ids, ks[1:] + ks[:1], md, draft_probs=draft_probs,
+                                  draft_dists=draft_dists)
+
+    broken = fit(simulate(misaligned, params, 3, 3, BROKEN_TRIALS, mode, k_of=random_ks(3, 6)), params)
+    assert min(broken.values()) < FAIL, broken
 
 
 @pytest.mark.parametrize("params", [

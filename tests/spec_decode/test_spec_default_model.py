@@ -22,7 +22,8 @@ def runs() -> dict:
     out = {}
     with LLM(model, **ENGINE) as llm:
         out["plain"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": K, "use_local_argmax_reduction": True}
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": K, "use_local_argmax_reduction": True,
+            "adaptive": False}
     with LLM(model, speculative_config=spec, **ENGINE) as llm:
         out["spec"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         out["stats"] = llm.get_stats()

@@ -5,6 +5,7 @@ same plus ``"use_local_argmax_reduction": true``) a ``tpspec serve`` subprocess 
 loopback port, warmed up, loaded with the same workload at each concurrency level (``bench.serve``),
 and stopped (SIGTERM, then SIGKILL to its whole process group after a grace period: no orphaned
 TP workers). The runs go to a JSON file and a PNG chart; the CLI prints the comparison table.
+The speculation length is pinned (``"adaptive": false``) unless the config sets ``adaptive``.
 """
 
 from __future__ import annotations
@@ -177,7 +178,9 @@ class CompareConfig:
         if spec.get(FLAG):
             raise ValueError(f"speculative_config.{FLAG} must be false or absent in the baseline (the comparison "
                              f"turns it on itself), got {spec[FLAG]!r}")
-        object.__setattr__(self, "speculative_config", dict(spec))
+        # k pinned unless asked otherwise (the seed experiment's fixed k = 15; an adaptive k would
+        # follow each server's own timings, and the two runs would not verify the same drafts).
+        object.__setattr__(self, "speculative_config", {"adaptive": False, **spec})
         if not self.concurrencies or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies must be one or more integers >= 1, got {self.concurrencies!r}")
         if len(set(self.concurrencies)) != len(self.concurrencies):

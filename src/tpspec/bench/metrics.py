@@ -9,8 +9,10 @@ Definitions (all over *successful* requests, times in the result in milliseconds
   (with speculative decoding one chunk can carry several tokens; TPOT is then the per-token figure).
 * Throughputs: completed requests, output tokens, input + output tokens, each / benchmark duration.
 * Speculative decoding, from counter deltas over the run: acceptance rate = accepted / draft tokens,
-  mean acceptance length = 1 + accepted / drafts, per-position rate = accepted at position i / drafts,
-  draft bytes per draft token = bytes of the ``draft.sample`` collectives / draft tokens.
+  mean acceptance length = 1 + accepted / drafts, per-position rate = accepted at position i /
+  drafts verified at position i (tpspec, whose k varies) or / drafts (vLLM), mean k = drafts
+  proposed per request-step (tpspec's ``spec_decode_num_speculative_tokens`` histogram), draft
+  bytes per draft token = bytes of the ``draft.sample`` collectives / draft tokens.
 
 A figure with no data (no successful request, no request with 2+ tokens, a server without the
 counters) is ``None``, never 0, so that a comparison cannot divide by it by mistake.
@@ -31,6 +33,8 @@ NUM_DRAFTS = "spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "spec_decode_num_draft_tokens"
 NUM_ACCEPTED_TOKENS = "spec_decode_num_accepted_tokens"
 NUM_ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+NUM_DRAFT_TOKENS_PER_POS = "spec_decode_num_draft_tokens_per_pos"
+NUM_SPECULATIVE_TOKENS = "tpspec:spec_decode_num_speculative_tokens"  # histogram: _sum, _count
 COMM_BYTES = "tpspec:comm_bytes"
 DRAFT_SAMPLE_SITE = "draft.sample"
 
@@ -82,7 +86,11 @@ class SpecDecodeDelta:
     num_draft_tokens: float
     num_accepted_tokens: float
     num_accepted_per_pos: tuple[float, ...] = ()
+    num_drafted_per_pos: tuple[float, ...] = ()  # () where the server does not count them
     draft_sample_bytes: float | None = None  # None: the server does not count draft.sample traffic
+    # Drafts proposed and request-steps (the k histogram's sum and count); None: not exposed.
+    num_speculative_tokens_sum: float | None = None
+    num_speculative_tokens_count: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,7 @@ class BenchmarkMetrics:
     spec_decode_acceptance_rate: float | None = None  # accepted / draft tokens, 0..1
     spec_decode_acceptance_length: float | None = None  # 1 + accepted / drafts
     spec_decode_per_position_acceptance_rate: tuple[float, ...] | None = None
+    spec_decode_mean_num_speculative_tokens: float | None = None  # mean k per request-step
     draft_bytes_per_draft_token: float | None = None
 
     def to_dict(self) -> dict:
@@ -174,13 +183,23 @@ def _spec_figures(spec: SpecDecodeDelta | None) -> dict:
         spec_decode_num_accepted_tokens=accepted,
         spec_decode_acceptance_rate=accepted / tokens if tokens > 0 else None,
         spec_decode_acceptance_length=1.0 + accepted / drafts if drafts > 0 else None,
-        spec_decode_per_position_acceptance_rate=(
-            tuple(a / drafts for a in spec.num_accepted_per_pos) if drafts > 0 and spec.num_accepted_per_pos else None
+        spec_decode_per_position_acceptance_rate=_per_position_rates(spec),
+        spec_decode_mean_num_speculative_tokens=(
+            spec.num_speculative_tokens_sum / spec.num_speculative_tokens_count
+            if spec.num_speculative_tokens_count else None
         ),
         draft_bytes_per_draft_token=(
             spec.draft_sample_bytes / tokens if spec.draft_sample_bytes is not None and tokens > 0 else None
         ),
     )
+
+
+def _per_position_rates(spec: SpecDecodeDelta) -> tuple[float, ...] | None:
+    if not spec.num_accepted_per_pos or spec.num_drafts <= 0:
+        return None
+    if spec.num_drafted_per_pos:
+        return tuple(a / d if d > 0 else 0.0 for a, d in zip(spec.num_accepted_per_pos, spec.num_drafted_per_pos))
+    return tuple(a / spec.num_drafts for a in spec.num_accepted_per_pos)
 
 
 # ---- /metrics --------------------------------------------------------------------------------------
@@ -224,11 +243,24 @@ def spec_decode_delta(before: MetricsSnapshot | None, after: MetricsSnapshot | N
             counts.append(None if a is None else a - (_sum(before, prefix + family) or 0.0))
         if None in counts:
             continue
-        pos_after = _per_pos(after, prefix + NUM_ACCEPTED_PER_POS)
-        pos_before = _per_pos(before, prefix + NUM_ACCEPTED_PER_POS)
-        per_pos = tuple(pos_after.get(i, 0.0) - pos_before.get(i, 0.0) for i in range(max(pos_after, default=-1) + 1))
+        per_pos = _per_pos_delta(before, after, prefix + NUM_ACCEPTED_PER_POS)
+        drafted = _per_pos_delta(before, after, prefix + NUM_DRAFT_TOKENS_PER_POS)
         bytes_after = _sum(after, COMM_BYTES, site=DRAFT_SAMPLE_SITE)
         bytes_before = _sum(before, COMM_BYTES, site=DRAFT_SAMPLE_SITE) or 0.0
         draft_bytes = None if bytes_after is None else bytes_after - bytes_before
-        return SpecDecodeDelta(*counts, num_accepted_per_pos=per_pos, draft_sample_bytes=draft_bytes)
+        k_sum, k_count = (_delta(before, after, NUM_SPECULATIVE_TOKENS + suffix) for suffix in ("_sum", "_count"))
+        return SpecDecodeDelta(*counts, num_accepted_per_pos=per_pos, num_drafted_per_pos=drafted,
+                               draft_sample_bytes=draft_bytes, num_speculative_tokens_sum=k_sum,
+                               num_speculative_tokens_count=k_count)
     return None
+
+
+def _per_pos_delta(before: MetricsSnapshot, after: MetricsSnapshot, family: str) -> tuple[float, ...]:
+    pos_after, pos_before = _per_pos(after, family), _per_pos(before, family)
+    return tuple(pos_after.get(i, 0.0) - pos_before.get(i, 0.0) for i in range(max(pos_after, default=-1) + 1))
+
+
+def _delta(before: MetricsSnapshot, after: MetricsSnapshot, sample: str) -> float | None:
+    """Growth of one unlabelled-but-for-model sample (e.g. a histogram's ``_sum``); None if absent."""
+    a = _sum(after, sample)
+    return None if a is None else a - (_sum(before, sample) or 0.0)

@@ -58,6 +58,7 @@ def format_serve_table(r: dict[str, Any]) -> str:
             row("Drafts:", int(r["spec_decode_num_drafts"])),
             row("Draft tokens:", int(r["spec_decode_num_draft_tokens"])),
             row("Accepted tokens:", int(r["spec_decode_num_accepted_tokens"])),
+            row("Mean drafts per request-step (k):", r.get("spec_decode_mean_num_speculative_tokens")),
             row("Draft bytes per draft token:", r["draft_bytes_per_draft_token"], 1),
         ]
         if per_pos:

@@ -27,30 +27,78 @@ def _cols(loaded, start: int, end: int) -> torch.Tensor:
 # behind float32 as rows grow (2.8x slower at 100 rows, a prefill); past this many rows
 # ``linear`` computes in float32 (benchmarks/bench_linear_dtypes.py).
 CPU_FLOAT16_MAX_ROWS = 4
-# CPU float32 products with up to this many rows (decode steps, speculative verification, draft
-# blocks) run as (A·Xᵀ)ᵀ, a GEMM whose small dimension is the columns: MKL streams the weight
-# 1.3-3.5x faster that way than as X·Aᵀ, and a one-row product, padded to two columns, ~1.7x faster
-# than as a matrix-vector product (benchmarks/bench_linear_rows.py; AVX-512 and AVX2 alike).
-CPU_FLOAT32_TRANSPOSED_MAX_ROWS = 128
+# CPU float32 products of up to ONEDNN_MAX_ROWS rows (decode steps, speculative verification,
+# draft blocks, small batches) run through oneDNN's matmul on the weight reordered once into its
+# blocked layout (``torch.ops.mkldnn``, what inductor uses for frozen CPU weights): MKL's X·Aᵀ
+# re-reads a weight poorly at few rows, the reordered one streams 1.5-3x faster there
+# (benchmarks/bench_linear_rows.py; AVX-512 and AVX2 alike). oneDNN builds and keeps a kernel per
+# (shape, row count), ~0.5 MiB each, so rows are padded up to one of ONEDNN_ROW_BUCKETS (at most
+# 25% more) and every bucket's kernel is built when the weight is reordered: memory stays flat
+# while serving. Past ONEDNN_MAX_ROWS (prefill) MKL is as fast. The cost: a second copy of the
+# float32 weights.
+ONEDNN_ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+ONEDNN_MAX_ROWS = ONEDNN_ROW_BUCKETS[-1]
+ONEDNN_PACK_ROWS = 16  # the row count the reordered layout is tuned for
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows goes through
-    float32 (exact upcasts, float32 accumulation either way) and is rounded back to float16;
-    float32 on CPU with at most ``CPU_FLOAT32_TRANSPOSED_MAX_ROWS`` rows as (A·Xᵀ)ᵀ.
-    x: [num_rows, in_features] -> [num_rows, out_features]."""
+def _row_bucket(rows: int) -> int:
+    return next(b for b in ONEDNN_ROW_BUCKETS if b >= rows)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0]
-    if weight.device.type == "cpu":
-        if weight.dtype == torch.float16 and rows > CPU_FLOAT16_MAX_ROWS:
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
-        if weight.dtype == torch.float32 and x.dim() == 2 and rows <= CPU_FLOAT32_TRANSPOSED_MAX_ROWS:
-            xt = (x if rows > 1 else x.repeat(2, 1)).t()  # [in_features, max(rows, 2)]
-            out = torch.mm(weight, xt) if bias is None else torch.addmm(bias.unsqueeze(1), weight, xt)
-            return out[:, :rows].t().contiguous()  # [num_rows, out_features]
+    pad = _row_bucket(rows) - rows
+    x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if pad else out
+
+
+class OneDNNWeight:
+    """A layer whose CPU float32 ``weight`` runs through oneDNN, reordered once (``packed_weight``)."""
+
+    weight: nn.Parameter
+
+    def packed_weight(self) -> torch.Tensor | None:
+        """The weight reordered for oneDNN (cached, redone if the weight changes), or None where the
+        plain kernel applies: not a CPU float32 weight, oneDNN missing, or inside ``torch.compile``
+        (which fuses its own)."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        cached = getattr(self, "_onednn_weight", None)
+        if cached is None or cached[0] is not w or cached[1] != w._version:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
+            with torch.inference_mode():
+                for rows in ONEDNN_ROW_BUCKETS:  # build every bucket's kernel now
+                    torch.ops.mkldnn._linear_pointwise(w.new_zeros(rows, w.shape[1]), packed, None, "none", [], "")
+            cached = self._onednn_weight = (w, w._version, packed)
+        return cached[2]
+
+
+def pack_cpu_weights(model: nn.Module) -> None:
+    """Reorder every oneDNN layer's weight now (at load), not in the first request's forward."""
+    for module in model.modules():
+        if isinstance(module, OneDNNWeight):
+            module.packed_weight()
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear``, through oneDNN on ``packed`` (``weight`` reordered) for at most
+    ``ONEDNN_MAX_ROWS`` rows; float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows goes
+    through float32 (exact upcasts, float32 accumulation either way) and is rounded back to float16.
+    x: [num_rows, in_features] -> [num_rows, out_features]."""
+    if packed is not None and x.shape[0] <= ONEDNN_MAX_ROWS:
+        return _onednn_linear(x, packed, bias)
+    if weight.dtype == torch.float16 and weight.device.type == "cpu" and x.shape[0] > CPU_FLOAT16_MAX_ROWS:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
     return F.linear(x, weight, bias)
 
 
-class LinearBase(nn.Module):
+class LinearBase(OneDNNWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.in_features = in_features
@@ -59,7 +107,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight())
 
 
 class ReplicatedLinear(LinearBase):
@@ -149,5 +197,5 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(_cols(loaded, *self.in_range))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, local in_features]
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.packed_weight())
         return comm.all_reduce(y, "layer.all_reduce") if self.reduce_results else y

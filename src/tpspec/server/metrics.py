@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,6 +67,16 @@ class _EngineStatsCollector:
             for pos, n in enumerate(s.get("num_accepted_tokens_per_pos", [])):
                 per_pos.add_metric([m, str(pos)], float(n))
             yield per_pos
+            drafted = CounterMetricFamily(
+                "tpspec:spec_decode_num_draft_tokens_per_pos",
+                "Draft tokens verified, by position in the draft (with a varying k, a position's acceptance "
+                "rate is accepted / verified there).",
+                labels=["model_name", "position"],
+            )
+            for pos, n in enumerate(s.get("num_draft_tokens_per_pos", [])):
+                drafted.add_metric([m, str(pos)], float(n))
+            yield drafted
+            yield from self._speculation_length(s)
         comm = s.get("comm", {})
         calls = CounterMetricFamily("tpspec:comm_calls", "Collective calls on the driver rank, by call site.", labels=["model_name", "site"])
         nbytes = CounterMetricFamily("tpspec:comm_bytes", "Bytes sent through collectives on the driver rank, by call site.", labels=["model_name", "site"])
@@ -83,6 +93,37 @@ class _EngineStatsCollector:
         for site, value in s.get("comm_bytes_per_row", {}).items():
             per_row.add_metric([m, site], float(value))
         yield per_row
+
+
+    def _speculation_length(self, s: dict[str, Any]):
+        """The chosen k per request-step (a histogram with one bucket per k) and the controller's
+        predicted vs measured step time."""
+        m = self.model_name
+        hist = s.get("num_speculative_tokens_histogram")
+        if hist is None:
+            return
+        h = HistogramMetricFamily(
+            "tpspec:spec_decode_num_speculative_tokens",
+            "Draft tokens proposed per request and step (the chosen speculation length k).",
+            labels=["model_name"],
+        )
+        cumulative, buckets = 0, []
+        for k, n in enumerate(hist):
+            cumulative += n
+            buckets.append((str(k), float(cumulative)))
+        buckets.append(("+Inf", float(cumulative)))
+        h.add_metric([m], buckets, float(sum(k * n for k, n in enumerate(hist))))
+        yield h
+        for name, key, doc in (
+            ("step_time_measured_seconds", "step_time_measured_s_total", "Engine step wall time, summed over steps."),
+            ("step_time_predicted_seconds", "step_time_predicted_s_total",
+             "The speculation-length controller's predicted step time, summed over the same steps."),
+            ("num_timed_steps", "num_timed_steps", "Engine steps timed for the speculation-length controller."),
+        ):
+            if key in s:
+                c = CounterMetricFamily(f"tpspec:spec_decode_{name}", doc, labels=["model_name"])
+                c.add_metric([m], float(s[key]))
+                yield c
 
 
 class ServerMetrics:

@@ -1,0 +1,55 @@
+"""What a benchmark result was measured on and with: CPU model and ISA flags, cores, torch and its
+threads, the commit (and whether the tree was dirty), the command line. Every result file records it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
+
+
+def _cpu() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    model = value.strip()
+                elif key == "flags":
+                    flags = sorted(t for t in value.split() if t.startswith(ISA_PREFIXES))
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine_info() -> dict:
+    model, flags = _cpu()
+    status = _git("status", "--porcelain")
+    return {
+        "cpu": model,
+        "isa": flags,
+        "avx512": any(f.startswith("avx512") for f in flags),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }

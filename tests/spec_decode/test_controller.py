@@ -1,0 +1,186 @@
+"""The speculation-length controller on synthetic acceptance rates and step-time curves: it picks
+the k per request that maximizes expected tokens per second (checked against brute force), 0 when
+no k pays, follows a static schedule or a pinned k when asked, probes requests held at k = 0,
+and its models learn what they measure."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tpspec.config import SpeculativeConfig
+from tpspec.spec_decode.acceptance import AcceptanceModel
+from tpspec.spec_decode.controller import PROBE_INTERVAL, PlanRequest, SpeculationLengthController
+from tpspec.spec_decode.step_time import PiecewiseLinear, StepTimeModel, draft_passes, profile_grid
+
+GRID = profile_grid(64)
+
+
+def curve(fn) -> PiecewiseLinear:
+    return PiecewiseLinear(GRID, [fn(x) for x in GRID])
+
+
+def model(method: str, target, draft, feed=lambda r: 0.0) -> StepTimeModel:
+    return StepTimeModel(method, curve(target), curve(feed), curve(draft))
+
+
+def controller(method: str, k: int, step_time: StepTimeModel | None, **spec) -> SpeculationLengthController:
+    return SpeculationLengthController(SpeculativeConfig(method=method, num_speculative_tokens=k, model=None if method == "ngram" else "x", **spec), step_time)
+
+
+def set_rates(c: SpeculationLengthController, req_id: str, rates: list[float], n: int = 4000) -> None:
+    """Feed verifications drawn from per-position conditional rates (deterministic)."""
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        a = 0
+        while a < len(rates) and rng.random() < rates[a]:
+            a += 1
+        c.observe_verification(req_id, len(rates), a)
+
+
+def expected_rate(c: SpeculationLengthController, reqs: list[PlanRequest], ks: list[int], real_rows: int) -> float:
+    rates = c.acceptance.engine_rates()
+    tokens = sum(1 + float(np.sum(c.acceptance.marginal_gains(r.req_id, rates)[:k])) for r, k in zip(reqs, ks))
+    return tokens / c.step_time.predict(real_rows + sum(ks), real_rows, ks)
+
+
+def req(i: int, k: int = 8) -> PlanRequest:
+    return PlanRequest(f"r{i}", True, k, k, k)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3", "ngram"])
+@pytest.mark.parametrize("rates", [[0.9, 0.8, 0.7, 0.6], [0.5, 0.3, 0.3, 0.3]])
+def test_plan_maximizes_tokens_per_second(method, rates):
+    # A verification row costs 4% of a plain step, a drafting pass 10% plus 1% per row.
+    c = controller(method, 4, model(method, lambda r: 1.0 + 0.04 * r, lambda r: 0.1 + 0.01 * r))
+    reqs = [req(0, 4), req(1, 4), req(2, 4)]
+    set_rates(c, "r0", rates)
+    set_rates(c, "r1", [r * 0.5 for r in rates])
+    set_rates(c, "r2", [0.99] * 4)
+    plan = c.plan(reqs, 3)
+    best = max(itertools.product(range(5), repeat=3), key=lambda ks: expected_rate(c, reqs, list(ks), 3))
+    assert expected_rate(c, reqs, plan.num_propose, 3) == pytest.approx(expected_rate(c, reqs, list(best), 3), rel=1e-9)
+    assert plan.num_verify == [min(k, 4) for k in plan.num_propose]
+    assert plan.num_propose[2] >= plan.num_propose[0] >= plan.num_propose[1]  # better drafts, more of them
+
+
+def test_no_speculation_when_no_k_pays():
+    c = controller("dflash", 8, model("dflash", lambda r: 1.0 + 0.5 * r, lambda r: 0.3 + 0.01 * r))
+    set_rates(c, "r0", [0.3] * 8)
+    plan = c.plan([req(0)], 1)
+    assert plan.num_propose == [0] and plan.num_verify == [0]
+    # Cheap rows and good drafts: speculate.
+    c = controller("dflash", 8, model("dflash", lambda r: 1.0 + 0.01 * r, lambda r: 0.05))
+    set_rates(c, "r0", [0.9] * 8)
+    assert c.plan([req(0)], 1).num_propose[0] >= 4
+
+
+def test_more_requests_fewer_drafts():
+    """Rows get expensive once a batch is compute-bound: the same drafter pays less per request."""
+    target = lambda r: 1.0 + 0.002 * r if r <= 16 else 1.03 + 0.02 * (r - 16)  # noqa: E731
+    c = controller("eagle3", 8, model("eagle3", target, lambda r: 0.02 + 0.001 * r))
+    for i in range(32):
+        set_rates(c, f"r{i}", [0.7] * 8, n=200)
+    alone = c.plan([req(0)], 1).num_propose[0]
+    crowd = c.plan([req(i) for i in range(32)], 32).num_propose
+    assert alone > max(crowd) and alone >= 4
+
+
+def test_caps_held_drafts_and_partial_prefills():
+    c = controller("dflash", 8, model("dflash", lambda r: 1.0 + 0.001 * r, lambda r: 0.01))
+    set_rates(c, "r0", [0.95] * 8)
+    set_rates(c, "r1", [0.95] * 8)
+    reqs = [PlanRequest("r0", True, 2, 1, 8), PlanRequest("r1", False, 0, 0, 8)]  # r1: a partial prefill chunk
+    plan = c.plan(reqs, 20)
+    assert plan.num_verify == [1, 0] and plan.num_propose[1] == 0 and plan.num_propose[0] > 2
+    assert plan.target_rows == 21
+
+
+def test_fixed_and_static_schedules():
+    fixed = controller("ngram", 5, None, adaptive=False)
+    plan = fixed.plan([PlanRequest("a", True, 3, 2, 5), PlanRequest("b", True, 5, 5, 1)], 2)
+    assert plan.num_verify == [2, 5] and plan.num_propose == [5, 1]
+    static = controller("ngram", 5, None, num_speculative_tokens_per_batch_size=[[1, 1, 4], [2, 3, 1], [4, 8, 0]])
+    assert not static.spec.adaptive
+    assert static.plan([req(0)], 1).num_propose == [4]
+    assert static.plan([req(0), req(1)], 2).num_propose == [1, 1]
+    assert static.plan([req(i) for i in range(5)], 5).num_propose == [0] * 5
+    assert static.plan([req(i) for i in range(9)], 9).num_propose == [5] * 9  # outside every row: the maximum
+    assert static.as_dict()["num_speculative_tokens_histogram"] == [5, 2, 0, 0, 1, 9]
+
+
+def test_a_request_held_at_zero_is_probed():
+    c = controller("dflash", 4, model("dflash", lambda r: 1.0 + 0.5 * r, lambda r: 0.3))
+    set_rates(c, "r0", [0.1] * 4)
+    held_none = PlanRequest("r0", True, 0, 0, 4)
+    proposed = [c.plan([held_none], 1).num_propose[0] for _ in range(PROBE_INTERVAL)]
+    assert proposed == [0] * (PROBE_INTERVAL - 1) + [1]
+    # The probe's draft is verified next step even though k = 0 is chosen again.
+    plan = c.plan([PlanRequest("r0", True, 1, 1, 4)], 1)
+    assert plan.num_verify == [1] and plan.num_propose == [0]
+
+
+def test_acceptance_estimates_converge_and_shrink_to_the_engine():
+    m = AcceptanceModel(3)
+    rng = np.random.default_rng(1)
+    true = [0.8, 0.5, 0.9]
+    for _ in range(3000):
+        a = 0
+        while a < 3 and rng.random() < true[a]:
+            a += 1
+        m.observe("a", 3, a)
+    np.testing.assert_allclose(m.engine_rates(), true, atol=0.08)
+    np.testing.assert_allclose(m.marginal_gains("a"), np.cumprod(m.request_rates("a")))
+    # A request never seen takes the engine's rates; a short history pulls it part of the way.
+    np.testing.assert_allclose(m.request_rates("new"), m.engine_rates())
+    for _ in range(3):
+        m.observe("b", 3, 0)
+    assert m.request_rates("b")[0] < m.engine_rates()[0] - 0.2
+    m.forget("b")
+    np.testing.assert_allclose(m.request_rates("b"), m.engine_rates())
+
+
+def test_step_time_model_learns_the_measured_curve():
+    truth = lambda r: 0.5 + 0.03 * r  # noqa: E731
+    stm = model("ngram", lambda r: 0.2 + 0.01 * r, lambda r: 0.0)
+    rng = np.random.default_rng(2)
+    for _ in range(2000):
+        rows = int(rng.integers(1, 100))
+        stm.observe(rows, rows, [], truth(rows), 0.0, truth(rows) + 0.004)
+    for rows in (1, 10, 50, 90):
+        assert stm.predict(rows, rows, []) == pytest.approx(truth(rows) + 0.004, rel=0.05)
+    assert stm.overhead == pytest.approx(0.004, rel=0.05)
+
+
+def test_draft_passes_by_method():
+    assert draft_passes("dflash", [0, 3, 1]) == [6]
+    assert draft_passes("eagle3", [0, 3, 1]) == [2, 1, 1]
+    assert draft_passes("draft_model", []) == []
+    assert draft_passes("ngram", [5]) == []
+
+
+@pytest.mark.parametrize("spec, match", [
+    (dict(adaptive="yes"), "adaptive must be true or false"),
+    (dict(adaptive=True, num_speculative_tokens_per_batch_size=[[1, 4, 2]]), "static schedule"),
+    (dict(num_speculative_tokens_per_batch_size=[]), "non-empty list"),
+    (dict(num_speculative_tokens_per_batch_size=[[1, 4]]), r"\[start, end, k\]"),
+    (dict(num_speculative_tokens_per_batch_size=[[0, 4, 1]]), "start must be >= 1"),
+    (dict(num_speculative_tokens_per_batch_size=[[5, 4, 1]]), "end must be >= 5"),
+    (dict(num_speculative_tokens_per_batch_size=[[1, 4, 9]]), r"k must be in \[0, 5\]"),
+    (dict(num_speculative_tokens_per_batch_size=[[1, 4, 1], [4, 8, 2]]), "overlap at batch size 4"),
+])
+def test_bad_speculation_length_config(spec, match):
+    with pytest.raises(ValueError, match=match) as e:
+        SpeculativeConfig.from_dict(dict(method="ngram", num_speculative_tokens=5, **spec))
+    assert "speculative_config" in str(e.value)
+
+
+def test_speculation_length_config_defaults():
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).adaptive is True
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False).adaptive is False
+    s = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 3, '
+                                    '"num_speculative_tokens_per_batch_size": [[9, 16, 0], [1, 8, 2]]}')
+    assert s.adaptive is False and s.num_speculative_tokens_per_batch_size == ((1, 8, 2), (9, 16, 0))
+    assert [s.k_for_batch_size(b) for b in (1, 8, 9, 16, 17)] == [2, 2, 0, 0, 3]

@@ -1,0 +1,164 @@
+"""Any speculation length is lossless, end to end through ``LLM``.
+
+Each request's k is drawn at random at every step (0 … num_speculative_tokens, k = 0 included;
+the controller's choice replaced by a seeded draw), with chunked prefill (a small token budget)
+and preemption (a small KV cache):
+
+* greedy output equals plain output token for token, for every method, TP 1 and 2, the flag on
+  and off;
+* the drafter's state stays valid whatever k was: a self-draft (the target as its own draft
+  model) has every draft accepted, and DFlash and EAGLE-3 propose, at every position, the drafts
+  a pinned-k run proposes at the same position (for DFlash, blocks of the same length), so no
+  k = 0 step left their KV cache or context features stale;
+* the adaptive controller itself (no random draws) is lossless too.
+
+Engines are created, used and shut down inside memoized run functions (one TP group per process).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.models.test_eagle3 import write_eagle3
+from tpspec import LLM, SamplingParams
+from tpspec.spec_decode.controller import SpeculationLengthController
+from tpspec.worker.model_runner import ModelRunner
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "import",
+    "Tensor parallelism splits the vocabulary across ranks, and",
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],  # a repeated pattern: ngram proposes at once
+]
+K = 4
+# 24 blocks of 4 tokens for 5 requests of up to 64: preemption; 12 tokens a step: chunked prefill.
+ENGINE = dict(num_kv_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=12)
+# Room for everything: prefill chunks and preemptions do not depend on k, so two runs differ in k alone.
+ROOMY = dict(num_kv_blocks=128, block_size=4, max_model_len=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_llama, tiny_dflash, tmp_path_factory) -> dict[str, str]:
+    return {"self": tiny_llama, "dflash": tiny_dflash, "eagle3": write_eagle3(str(tmp_path_factory.mktemp("eagle3")), seed=4)}
+
+
+def _spec(method: str, drafters: dict, flag: bool, **kw) -> dict:
+    spec = dict(method=method, num_speculative_tokens=K, **kw)
+    if method == "ngram":
+        return dict(spec, prompt_lookup_min=1)
+    model = drafters["self" if method == "draft_model" else method]
+    return dict(spec, model=model, use_local_argmax_reduction=flag)
+
+
+CASES = {  # name: (method, tp, flag)
+    "ngram-tp1": ("ngram", 1, False),
+    "ngram-tp2": ("ngram", 2, False),
+    "self-flag-tp1": ("draft_model", 1, True),
+    "self-noflag-tp2": ("draft_model", 2, False),
+    "dflash-flag-tp1": ("dflash", 1, True),
+    "dflash-noflag-tp1": ("dflash", 1, False),
+    "dflash-flag-tp2": ("dflash", 2, True),
+    "eagle3-flag-tp1": ("eagle3", 1, True),
+    "eagle3-noflag-tp2": ("eagle3", 2, False),
+}
+
+
+def _random_ks(self, reqs, real_rows):
+    """In place of the controller's choice: each request's k drawn from 0 … its cap."""
+    caps = [max(r.max_propose, min(r.num_held, r.max_verify)) if r.samples else 0 for r in reqs]
+    return [self._rng.randint(0, c) for c in caps]
+
+
+def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
+    """(request id, position of its first draft, drafts) of every proposal on rank 0."""
+    recorded: list = []
+    propose = ModelRunner._propose
+
+    def recording(self, seqs, sampled, wanted, query_lens, captured):
+        propose(self, seqs, sampled, wanted, query_lens, captured)
+        for s, n in zip(seqs, wanted):
+            if n:
+                recorded.append((s.req_id, s.state.req.num_tokens, list(s.state.draft_ids)))
+
+    monkeypatch.setattr(ModelRunner, "_propose", recording)
+    return recorded
+
+
+_RUNS: dict = {}
+
+
+def _generate(target: str, tp: int, spec: dict | None, engine: dict) -> tuple[list[list[int]], dict]:
+    with LLM(target, tensor_parallel_size=tp, speculative_config=spec, **engine) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.get_stats()
+
+
+def _run(key: tuple, target: str, drafters: dict, monkeypatch, roomy: bool = False) -> dict:
+    """key: (method, tp, flag, mode), mode "random" (random k), "pinned" (k = K) or "adaptive";
+    ``roomy``: the ROOMY engine instead of ENGINE."""
+    key = (*key, roomy)
+    engine = ROOMY if roomy else ENGINE
+    if key not in _RUNS:
+        method, tp, flag, mode, _ = key
+        if method is None:
+            tokens, stats = _generate(target, tp, None, engine)
+            _RUNS[key] = dict(tokens=tokens, stats=stats)
+        else:
+            spec = _spec(method, drafters, flag, **({"adaptive": False} if mode == "pinned" else {}))
+            with monkeypatch.context() as m:
+                if mode == "random":
+                    m.setattr(SpeculationLengthController, "_rng", random.Random(7), raising=False)
+                    m.setattr(SpeculationLengthController, "_adaptive_ks", _random_ks)
+                drafts = _record_drafts(m)
+                tokens, stats = _generate(target, tp, spec, engine)
+            _RUNS[key] = dict(tokens=tokens, stats=stats, drafts=list(drafts))
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_random_k_is_lossless(case, tiny_llama, drafters, monkeypatch):
+    method, tp, flag = CASES[case]
+    plain = _run((None, tp, False, "plain"), tiny_llama, drafters, monkeypatch)
+    run = _run((method, tp, flag, "random"), tiny_llama, drafters, monkeypatch)
+    assert run["tokens"] == plain["tokens"]
+    s = run["stats"]
+    hist = s["num_speculative_tokens_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0 and hist[K] > 0  # k really varied, 0 and the maximum included
+    assert s["num_preemptions"] > 0  # the small cache preempted (and recomputed) requests
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+    if method == "draft_model":  # self-draft: a draft is wrong only if the drafter's state went stale
+        assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("case", ["dflash-flag-tp1", "dflash-flag-tp2", "eagle3-flag-tp1", "eagle3-noflag-tp2"])
+def test_drafts_do_not_depend_on_earlier_k(case, tiny_llama, drafters, monkeypatch):
+    method, tp, flag = CASES[case]
+    random_run = _run((method, tp, flag, "random"), tiny_llama, drafters, monkeypatch, roomy=True)
+    pinned = _run((method, tp, flag, "pinned"), tiny_llama, drafters, monkeypatch, roomy=True)
+    # (An EAGLE-3 head's KV at a prefill chunk's last position stays unwritten, so there chunk
+    # boundaries, which the token budget left by drafts moves, change its drafts: ROOMY has none.)
+    # The same request reaches the same position with the same tokens in both runs (greedy): the
+    # drafter, fed the same history, must propose the same drafts there, for the same k (a DFlash
+    # block's drafts see each other, so they depend on its length; a chain's first j do not).
+    reference = {(r, pos): d for r, pos, d in pinned["drafts"]}
+    common = [(d, reference[(r, pos)]) for r, pos, d in random_run["drafts"] if (r, pos) in reference]
+    if method == "dflash":
+        common = [(a, b) for a, b in common if len(a) == len(b)]
+    assert len(common) >= 5
+    assert all(a[: len(b)] == b[: len(a)] for a, b in common)
+
+
+@pytest.mark.parametrize("case", ["ngram-tp1", "dflash-flag-tp2", "eagle3-flag-tp1"])
+def test_adaptive_controller_is_lossless(case, tiny_llama, drafters, monkeypatch):
+    method, tp, flag = CASES[case]
+    plain = _run((None, tp, False, "plain"), tiny_llama, drafters, monkeypatch)
+    run = _run((method, tp, flag, "adaptive"), tiny_llama, drafters, monkeypatch)
+    assert run["tokens"] == plain["tokens"]
+    s = run["stats"]
+    assert s["speculation_length"] == "adaptive" and s["num_timed_steps"] > 0
+    assert sum(s["num_speculative_tokens_histogram"]) > 0
+    assert s["step_time_predicted_s_total"] > 0 and s["step_time_measured_s_total"] > 0
