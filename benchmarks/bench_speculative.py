@@ -3,7 +3,7 @@ per method, concurrency and TP size (default model, greedy, 128 tokens).
 
 For every configuration a fresh process runs one engine (TP ``--tp``) through each
 ``--concurrency`` level in turn: at most c requests in flight (a new one starts when one ends),
-``--num-prompts`` (default: max(8, 2c)) HumanEval prompts from index ``--first-prompt`` on (the
+``--num-prompts`` (default: max(8, c)) HumanEval prompts from index ``--first-prompt`` on (the
 shipped drafter never trained on HumanEval; its trainer evaluates on the first 32), after one
 warm-up request. Figures, as ``vllm bench serve`` defines them: output throughput = output tokens
 / wall time; TPOT per request = (finish − first token) / (output tokens − 1), the mean over
@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7, 15], help="fixed k; the adaptive runs use max")
     p.add_argument("--configs", nargs="+", default=None, help="only these (names as printed); default all")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, 2c))")
+    p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, c))")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--first-prompt", type=int, default=64)
     p.add_argument("--result-file", default=None)
@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def num_prompts(args, c: int) -> int:
-    return args.num_prompts or max(8, 2 * c)
+    return args.num_prompts or max(8, c)
 
 
 def run_level(engine, prompts: list[str], concurrency: int, params) -> dict:

@@ -125,7 +125,9 @@ def test_stop_kills_a_server_that_ignores_sigterm_and_what_it_started(tmp_path):
 
 
 def test_compare_config_validation():
-    assert CompareConfig().speculative_config == DEFAULT_SPECULATIVE_CONFIG
+    pinned = {**DEFAULT_SPECULATIVE_CONFIG, "adaptive": False}  # k pinned unless the config says otherwise
+    assert CompareConfig().speculative_config == pinned
+    assert CompareConfig(speculative_config={**DEFAULT_SPECULATIVE_CONFIG, "adaptive": True}).speculative_config["adaptive"]
     assert CompareConfig(result_file="x/r.json").plot_file == "x/r.png"
     with pytest.raises(ValueError, match=FLAG):
         CompareConfig(speculative_config={**DEFAULT_SPECULATIVE_CONFIG, FLAG: True})
@@ -135,4 +137,4 @@ def test_compare_config_validation():
         with pytest.raises(ValueError, match="concurrencies"):
             CompareConfig(concurrencies=bad)
     configs = dict(CompareConfig().configs())
-    assert FLAG not in configs[BASELINE] and configs[FLAGGED] == {**DEFAULT_SPECULATIVE_CONFIG, FLAG: True}
+    assert FLAG not in configs[BASELINE] and configs[FLAGGED] == {**pinned, FLAG: True}

@@ -111,15 +111,19 @@ def test_fixed_and_static_schedules():
     assert static.as_dict()["num_speculative_tokens_histogram"] == [5, 2, 0, 0, 1, 9]
 
 
-def test_a_request_held_at_zero_is_probed():
+def test_requests_held_at_zero_are_probed_together():
     c = controller("dflash", 4, model("dflash", lambda r: 1.0 + 0.5 * r, lambda r: 0.3))
     set_rates(c, "r0", [0.1] * 4)
-    held_none = PlanRequest("r0", True, 0, 0, 4)
-    proposed = [c.plan([held_none], 1).num_propose[0] for _ in range(PROBE_INTERVAL)]
-    assert proposed == [0] * (PROBE_INTERVAL - 1) + [1]
-    # The probe's draft is verified next step even though k = 0 is chosen again.
-    plan = c.plan([PlanRequest("r0", True, 1, 1, 4)], 1)
-    assert plan.num_verify == [1] and plan.num_propose == [0]
+    held_none = [PlanRequest("r0", True, 0, 0, 4), PlanRequest("r1", True, 0, 0, 4)]
+    proposed = [c.plan(held_none, 2).num_propose for _ in range(PROBE_INTERVAL)]
+    assert proposed == [[0, 0]] * (PROBE_INTERVAL - 1) + [[1, 1]]  # both in the same step
+    # A probe's draft is verified next step even though k = 0 is chosen again.
+    plan = c.plan([PlanRequest("r0", True, 1, 1, 4), PlanRequest("r1", True, 1, 1, 4)], 2)
+    assert plan.num_verify == [1, 1] and plan.num_propose == [0, 0]
+    # A request that joined late waits a whole interval, then the next probe step.
+    late = PlanRequest("r2", True, 0, 0, 4)
+    proposed = [c.plan([late], 1).num_propose[0] for _ in range(2 * PROBE_INTERVAL)]
+    assert proposed.count(1) == 1 and proposed.index(1) >= PROBE_INTERVAL - 1
 
 
 def test_acceptance_estimates_converge_and_shrink_to_the_engine():

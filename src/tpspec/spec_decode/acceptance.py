@@ -7,17 +7,19 @@ and accepted positions 1 … a. The expected number of accepted drafts when k ar
 
 Counts decay exponentially (old behaviour fades): engine-wide with a window of
 ``ENGINE_WINDOW`` verifications, per request with ``REQUEST_WINDOW``. Estimates are shrunk
-toward a prior with a few pseudo-observations: the engine-wide rate at position j toward the
-engine-wide rate at j − 1 (position 1 toward ``PRIOR``), a request's rate toward the
-engine-wide one, so a request with little history behaves like the average request.
+toward a prior with pseudo-observations: the engine-wide rate at position j toward the
+engine-wide rate at j − 1 (position 1 toward ``PRIOR``, ``PRIOR_WEIGHT`` of them), a request's
+rate toward the engine-wide one (``REQUEST_PRIOR_WEIGHT``), so a request with little history
+behaves like the average request and a short lucky streak does not make it speculate.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-PRIOR = 0.5  # acceptance assumed at position 1 before anything is measured
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind a prior
+PRIOR = 0.4  # acceptance assumed at position 1 before anything is measured
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the engine-wide prior
+REQUEST_PRIOR_WEIGHT = 16.0  # pseudo-observations of the engine-wide rate behind a request's own
 ENGINE_WINDOW = 256  # verifications
 REQUEST_WINDOW = 32
 
@@ -68,7 +70,7 @@ class AcceptanceModel:
         counts = self.requests.get(req_id)
         if counts is None:
             return engine
-        return (counts.accepted + PRIOR_WEIGHT * engine) / (counts.tried + PRIOR_WEIGHT)
+        return (counts.accepted + REQUEST_PRIOR_WEIGHT * engine) / (counts.tried + REQUEST_PRIOR_WEIGHT)
 
     def marginal_gains(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
         """[max_k] expected accepted tokens added by the j-th draft: Π_{m ≤ j} α_m (non-increasing)."""

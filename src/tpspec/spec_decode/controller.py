@@ -10,8 +10,9 @@ with E[accepted_i] from the per-position acceptance rates measured while serving
 verified next step. Draft j of request i adds Π_{m ≤ j} α_im tokens, which falls with j, so for a
 given total of D drafts the best split gives them out one at a time to the largest next gain;
 the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
-(D = 0, no speculation, when no draft pays). A request held at k = 0 for ``PROBE_INTERVAL``
-steps proposes one draft (a probe) so its rate keeps being measured.
+(D = 0, no speculation, when no draft pays). So that the rates of requests held at k = 0 keep
+being measured, every ``PROBE_INTERVAL``-th step each of them that has drafted nothing for that
+long proposes one draft (a probe): all probes share one step, and so one drafting pass.
 
 With ``adaptive: false`` every request proposes ``num_speculative_tokens``; with
 ``num_speculative_tokens_per_batch_size`` the schedule's k for the step's batch size.
@@ -28,7 +29,7 @@ from tpspec.config import SpeculativeConfig
 from tpspec.spec_decode.acceptance import AcceptanceModel
 from tpspec.spec_decode.step_time import StepTimeModel
 
-PROBE_INTERVAL = 16  # steps without drafts after which a request proposes one
+PROBE_INTERVAL = 16  # steps between probe steps, and without drafts before a request is probed
 MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
 
 
@@ -62,6 +63,7 @@ class SpeculationLengthController:
         self.acceptance = AcceptanceModel(self.max_k)
         self._steps_without_drafts: dict[str, int] = {}
         self._probing: set[str] = set()
+        self._num_plans = 0
         self.k_histogram = [0] * (self.max_k + 1)  # chosen k (drafts proposed), per sampling request-step
         self.num_timed_steps = 0
         self.predicted_s_total = 0.0
@@ -76,6 +78,8 @@ class SpeculationLengthController:
             k = self.spec.k_for_batch_size(len(reqs))
             ks = [k if r.samples else 0 for r in reqs]
         verify, propose = [], []
+        self._num_plans += 1
+        probe_step = self._num_plans % PROBE_INTERVAL == 0
         for r, k in zip(reqs, ks):
             if not r.samples:
                 verify.append(0)
@@ -87,7 +91,7 @@ class SpeculationLengthController:
             propose.append(min(k, r.max_propose))
             if self.spec.adaptive:
                 idle = self._steps_without_drafts.get(r.req_id, 0) + 1 if propose[-1] == 0 else 0
-                if idle >= PROBE_INTERVAL and r.max_propose > 0:
+                if probe_step and idle >= PROBE_INTERVAL and r.max_propose > 0:
                     propose[-1], idle = 1, 0
                     self._probing.add(r.req_id)
                 self._steps_without_drafts[r.req_id] = idle
