@@ -139,9 +139,11 @@ def test_acceptance_estimates_converge_and_shrink_to_the_engine():
     np.testing.assert_allclose(m.marginal_gains("a"), np.cumprod(m.request_rates("a")))
     # A request never seen takes the engine's rates; a short history pulls it part of the way.
     np.testing.assert_allclose(m.request_rates("new"), m.engine_rates())
-    for _ in range(3):
+    for _ in range(8):
         m.observe("b", 3, 0)
     assert m.request_rates("b")[0] < m.engine_rates()[0] - 0.2
+    m.observe("c", 3, 0)  # one rejection moves a request only a little
+    assert m.request_rates("c")[0] > m.engine_rates()[0] - 0.1
     m.forget("b")
     np.testing.assert_allclose(m.request_rates("b"), m.engine_rates())
 
