@@ -119,6 +119,22 @@ AFTER = dict(num_drafts=30, num_draft_tokens=90, num_accepted_tokens=57, num_acc
              comm={"draft.sample": {"calls": 90, "bytes": 1920}, "layer.all_reduce": {"calls": 99, "bytes": 10 ** 7}})
 
 
+def test_speculation_length_figures_from_the_servers_metric_deltas():
+    """tpspec's k varies: per-position rates divide by the drafts verified at that position, and the
+    chosen-k histogram gives the run's mean k."""
+    before = dict(BEFORE, num_draft_tokens_per_pos=[10, 10, 10], num_speculative_tokens_histogram=[5, 0, 0, 10],
+                  step_time_measured_s_total=1.0, step_time_predicted_s_total=0.9, num_timed_steps=15)
+    after = dict(AFTER, num_draft_tokens_per_pos=[30, 26, 24], num_speculative_tokens_histogram=[25, 4, 6, 20],
+                 step_time_measured_s_total=4.0, step_time_predicted_s_total=3.5, num_timed_steps=55)
+    delta = spec_decode_delta(_scrape(**before), _scrape(**after))
+    assert delta.num_drafted_per_pos == (20, 16, 14)
+    # k histogram deltas: 20 steps at k = 0, 4 at 1, 6 at 2, 10 at 3: 4 + 12 + 30 = 46 drafts over 40 request-steps
+    assert (delta.num_speculative_tokens_sum, delta.num_speculative_tokens_count) == (46, 40)
+    m = compute_metrics([A, B], DURATION, delta)
+    assert m.spec_decode_mean_num_speculative_tokens == pytest.approx(46 / 40)
+    assert m.spec_decode_per_position_acceptance_rate == pytest.approx((18 / 20, 14 / 16, 13 / 14))
+
+
 def test_spec_decode_figures_from_the_servers_metric_deltas():
     delta = spec_decode_delta(_scrape(**BEFORE), _scrape(**AFTER))
     # deltas: 20 drafts, 60 draft tokens, 45 accepted (18, 14, 13 by position), 1440 draft.sample bytes

@@ -32,7 +32,8 @@ RSS_BOUND_MIB = 32
 MODEL = "tiny"
 ENGINE = dict(max_model_len=128, num_kv_blocks=400, max_num_seqs=64)
 # prompt_lookup_min 1: some token repeats in nearly every context, so most steps verify drafts.
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}  # k pinned: the soak must draft and verify under load
 # One intra-op thread per process: on 2 shared cores, OpenMP threads spinning against the HTTP
 # thread and the client cost ten times more than they save on a model this small.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -86,8 +86,8 @@ class SpecDecodeDelta:
     num_draft_tokens: float
     num_accepted_tokens: float
     num_accepted_per_pos: tuple[float, ...] = ()
-    num_drafted_per_pos: tuple[float, ...] = ()  # () where the server does not count them
     draft_sample_bytes: float | None = None  # None: the server does not count draft.sample traffic
+    num_drafted_per_pos: tuple[float, ...] = ()  # () where the server does not count them
     # Drafts proposed and request-steps (the k histogram's sum and count); None: not exposed.
     num_speculative_tokens_sum: float | None = None
     num_speculative_tokens_count: float | None = None
