@@ -22,8 +22,8 @@ def curve(fn) -> PiecewiseLinear:
     return PiecewiseLinear(GRID, [fn(x) for x in GRID])
 
 
-def model(method: str, target, draft, feed=lambda r: 0.0) -> StepTimeModel:
-    return StepTimeModel(method, curve(target), curve(feed), curve(draft))
+def model(method: str, target, draft, feed=lambda r: 0.0, decode=None) -> StepTimeModel:
+    return StepTimeModel(method, curve(decode or target), curve(target), curve(feed), curve(draft))
 
 
 def controller(method: str, k: int, step_time: StepTimeModel | None, **spec) -> SpeculationLengthController:
@@ -43,7 +43,7 @@ def set_rates(c: SpeculationLengthController, req_id: str, rates: list[float], n
 def expected_rate(c: SpeculationLengthController, reqs: list[PlanRequest], ks: list[int], real_rows: int) -> float:
     rates = c.acceptance.engine_rates()
     tokens = sum(1 + float(np.sum(c.acceptance.marginal_gains(r.req_id, rates)[:k])) for r, k in zip(reqs, ks))
-    return tokens / c.step_time.predict(real_rows + sum(ks), real_rows, ks)
+    return tokens / c.step_time.predict(real_rows + sum(ks), real_rows, ks, decode_only=sum(ks) == 0)
 
 
 def req(i: int, k: int = 8) -> PlanRequest:
@@ -75,6 +75,19 @@ def test_no_speculation_when_no_k_pays():
     c = controller("dflash", 8, model("dflash", lambda r: 1.0 + 0.01 * r, lambda r: 0.05))
     set_rates(c, "r0", [0.9] * 8)
     assert c.plan([req(0)], 1).num_propose[0] >= 4
+
+
+def test_giving_up_the_decode_path_must_pay():
+    """Decodes alone run a cheaper forward than any step with drafts: the first draft pays that jump."""
+    c = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.01 * r, lambda r: 0.0, decode=lambda r: 0.6 + 0.01 * r))
+    reqs = [req(i, 4) for i in range(8)]
+    for i in range(8):
+        set_rates(c, f"r{i}", [0.3] * 4, n=300)
+    assert c.plan(reqs, 8).num_propose == [0] * 8  # on the target curve alone, drafting would pay
+    c2 = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.01 * r, lambda r: 0.0))
+    for i in range(8):
+        set_rates(c2, f"r{i}", [0.3] * 4, n=300)
+    assert sum(c2.plan(reqs, 8).num_propose) > 0
 
 
 def test_more_requests_fewer_drafts():
@@ -155,8 +168,10 @@ def test_step_time_model_learns_the_measured_curve():
     for _ in range(2000):
         rows = int(rng.integers(1, 100))
         stm.observe(rows, rows, [], truth(rows), 0.0, truth(rows) + 0.004)
+        stm.observe(rows, rows, [], truth(rows) / 2, 0.0, truth(rows) / 2 + 0.004, decode_only=True)
     for rows in (1, 10, 50, 90):
         assert stm.predict(rows, rows, []) == pytest.approx(truth(rows) + 0.004, rel=0.05)
+        assert stm.predict(rows, rows, [], decode_only=True) == pytest.approx(truth(rows) / 2 + 0.004, rel=0.05)
     assert stm.overhead == pytest.approx(0.004, rel=0.05)
 
 

@@ -99,10 +99,8 @@ class LLMEngine:
         """The adaptive controller's cost curves, measured on every rank at start-up."""
         p = self.executor.call("profile_step_time")
         grid = p["grid"]
-        return StepTimeModel(
-            self.config.speculative.method,
-            PiecewiseLinear(grid, p["target_s"]), PiecewiseLinear(grid, p["feed_s"]), PiecewiseLinear(grid, p["draft_pass_s"]),
-        )
+        curves = [PiecewiseLinear(grid, p[key]) for key in ("decode_s", "target_s", "feed_s", "draft_pass_s")]
+        return StepTimeModel(self.config.speculative.method, *curves)
 
     @classmethod
     def from_args(

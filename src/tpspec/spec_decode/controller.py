@@ -49,6 +49,7 @@ class Plan:
     num_verify: list[int]  # per request: drafts verified this step
     num_propose: list[int]  # per request: drafts proposed for the next step (0: the drafter is only fed)
     target_rows: int  # rows of the target's forward
+    decode_only: bool  # every request feeds one token and verifies none (step_time: the decode curve)
     predicted_s: float | None  # the step-time model's prediction (adaptive only)
 
 
@@ -97,10 +98,12 @@ class SpeculationLengthController:
                 self._steps_without_drafts[r.req_id] = idle
             self.k_histogram[propose[-1]] += 1
         target_rows = real_rows + sum(verify)
+        decode_only = real_rows == len(reqs) and target_rows == real_rows
         predicted = None
         if self.step_time is not None:
-            predicted = self.step_time.predict(target_rows, real_rows, [p for p, r in zip(propose, reqs) if r.samples])
-        return Plan(verify, propose, target_rows, predicted)
+            ks_sampling = [p for p, r in zip(propose, reqs) if r.samples]
+            predicted = self.step_time.predict(target_rows, real_rows, ks_sampling, decode_only)
+        return Plan(verify, propose, target_rows, decode_only, predicted)
 
     def _adaptive_ks(self, reqs: list[PlanRequest], real_rows: int) -> list[int]:
         model = self.step_time
@@ -120,7 +123,9 @@ class SpeculationLengthController:
         cost = _DraftCost(self.method, model)
         fixed = model.feed(real_rows) + model.overhead
         tokens, drafts = float(base_tokens), 0
-        best_rate, best_drafts = tokens / (model.target(real_rows) + fixed), 0
+        # Without drafts a step of decodes alone runs the decode curve; one draft moves it to the target's.
+        plain = model.forward_curve(real_rows == len(reqs))(real_rows)
+        best_rate, best_drafts = tokens / (plain + fixed), 0
         order = []
         while heap:
             neg_gain, i = heapq.heappop(heap)
@@ -156,7 +161,9 @@ class SpeculationLengthController:
             return
         self.predicted_s_total += plan.predicted_s or 0.0
         ks = [p for p, r in zip(plan.num_propose, reqs) if r.samples]
-        self.step_time.observe(plan.target_rows, real_rows + sum(num_accepted), ks, target_s, drafter_s, step_s)
+        self.step_time.observe(
+            plan.target_rows, real_rows + sum(num_accepted), ks, target_s, drafter_s, step_s, plan.decode_only
+        )
 
     def forget(self, req_id: str) -> None:
         """A request ended: drop what was kept about it."""

@@ -3,7 +3,9 @@
     step(k) = target(target rows) + feed(feed rows) + Σ_passes draft(pass rows) + overhead
 
 * ``target(r)``: the target's forward, LM head and verification over r rows (every fed token, the
-  drafts being verified included);
+  drafts being verified included); a step in which every request feeds exactly one token and
+  verifies nothing runs ``decode(r)`` instead: its attention takes the one-query path, which a
+  single draft anywhere in the step gives up (on CPU a jump that the controller must see);
 * ``feed(r)``: the drafter's work that does not depend on k, for r kept tokens (DFlash writes their
   context K/V, EAGLE-3 refeeds them, a draft model runs them);
 * ``draft(r)``: one drafting pass over r rows (forward, LM head and draft sampling). Which passes
@@ -75,24 +77,30 @@ class PiecewiseLinear:
 
 
 class StepTimeModel:
-    def __init__(self, method: str, target: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear):
+    def __init__(
+        self, method: str, decode: PiecewiseLinear, target: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear
+    ):
         self.method = method
-        self.target, self.feed, self.draft = target, feed, draft
+        self.decode, self.target, self.feed, self.draft = decode, target, feed, draft
         self.overhead = 0.0  # seconds per step
 
-    def predict_phases(self, target_rows: int, feed_rows: int, ks: list[int]) -> tuple[float, float]:
+    def forward_curve(self, decode_only: bool) -> PiecewiseLinear:
+        return self.decode if decode_only else self.target
+
+    def predict_phases(self, target_rows: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> tuple[float, float]:
         """(target seconds, drafter seconds) of a step."""
         drafter = self.feed(feed_rows) + sum(self.draft(r) for r in draft_passes(self.method, ks))
-        return self.target(target_rows), drafter
+        return self.forward_curve(decode_only)(target_rows), drafter
 
-    def predict(self, target_rows: int, feed_rows: int, ks: list[int]) -> float:
-        return sum(self.predict_phases(target_rows, feed_rows, ks)) + self.overhead
+    def predict(self, target_rows: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> float:
+        return sum(self.predict_phases(target_rows, feed_rows, ks, decode_only)) + self.overhead
 
     def observe(
-        self, target_rows: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float, step_s: float
+        self, target_rows: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float, step_s: float,
+        decode_only: bool = False,
     ) -> None:
         """Correct the curves with one step's measured phase times (and its wall time)."""
-        _nlms(self.target, [target_rows], target_s)
+        _nlms(self.forward_curve(decode_only), [target_rows], target_s)
         if self.method != "ngram":
             passes = draft_passes(self.method, ks)
             _nlms_joint([(self.feed, [feed_rows]), (self.draft, passes)], drafter_s)
@@ -102,6 +110,7 @@ class StepTimeModel:
     def as_dict(self) -> dict:
         return {
             "grid": self.target.xs.astype(int).tolist(),
+            "decode_s": self.decode.values(),
             "target_s": self.target.values(),
             "feed_s": self.feed.values(),
             "draft_pass_s": self.draft.values(),

@@ -128,7 +128,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_step_time(self) -> dict[str, list]:
-        """Time the target's forward + LM head + argmax, and the drafter's feed and one drafting
+        """Time the target's forward + LM head + argmax (as decodes, one token per sequence, and
+        as verifications of k + 1 tokens per sequence), and the drafter's feed and one drafting
         pass, over the row counts of ``step_time.profile_grid`` (dummy inputs in the first KV
         blocks, before any request owns one): the speculation-length controller's start-up cost
         curves. Every rank runs the same forwards (their collectives line up); rank 0's times count."""
@@ -136,13 +137,17 @@ class ModelRunner:
         k = spec.num_speculative_tokens
         grid = profile_grid(min(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1), PROFILE_MAX_ROWS))
 
-        def target(rows: int) -> None:
-            md, positions = AttentionMetadata.dummy(rows, k + 1, self.block_size, self.device)
+        def forward(rows: int, query_len: int) -> None:
+            md, positions = AttentionMetadata.dummy(rows, query_len, self.block_size, self.device)
             hidden, _ = self.model(torch.zeros(rows, dtype=torch.int64, device=self.device), positions, self.kv_caches, md)
             self.model.compute_logits(hidden, "profile").argmax(dim=-1)
 
         t0 = time.perf_counter()
-        out = {"grid": grid, "target_s": [self._time(target, r) for r in grid]}
+        out = {
+            "grid": grid,
+            "decode_s": [self._time(lambda r: forward(r, 1), r) for r in grid],
+            "target_s": [self._time(lambda r: forward(r, k + 1), r) for r in grid],
+        }
         if self.speculator is None:  # ngram: no drafter forward
             out["feed_s"] = out["draft_pass_s"] = [0.0] * len(grid)
         else:
