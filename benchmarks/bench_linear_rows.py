@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
+from machine import machine_info
 from tpspec.layers.linear import ONEDNN_PACK_ROWS, linear
 
 # SmolLM2-135M: hidden 576, 9 heads + 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152.
@@ -33,17 +33,6 @@ def variants(packed: dict[int, torch.Tensor]):
         "a_xt": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
         "onednn": lambda x, w: linear(x, w, packed=packed[id(w)]),
     }
-
-
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return " ".join(sorted(t for t in line.split(":")[1].split() if t.startswith(("avx", "amx", "fma"))))
-    except OSError:
-        pass
-    return ""
 
 
 def main(argv=None) -> None:
@@ -81,8 +70,7 @@ def main(argv=None) -> None:
         print(json.dumps(row))
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({"cpu": platform.processor() or platform.machine(), "isa": cpu_flags(), "threads": args.threads,
-                       "torch": torch.__version__, "results": results}, f, indent=1)
+            json.dump({"machine": machine_info(), "threads": args.threads, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
