@@ -175,6 +175,13 @@ def test_step_time_model_learns_the_measured_curve():
     assert stm.overhead == pytest.approx(0.004, rel=0.05)
 
 
+def test_curve_lookups_agree():
+    c = PiecewiseLinear([1, 2, 8, 32], [0.5, 0.6, 0.9, 2.0])
+    xs = np.arange(0, 80)
+    np.testing.assert_allclose(c.at(xs), [c(int(x)) for x in xs])
+    assert c(0) == 0.0 and c(64) == pytest.approx(2.0 + 32 * 1.1 / 24)
+
+
 def test_draft_passes_by_method():
     assert draft_passes("dflash", [0, 3, 1]) == [6]
     assert draft_passes("eagle3", [0, 3, 1]) == [2, 1, 1]

@@ -25,6 +25,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
+
 from tpspec.config import SpeculativeConfig
 from tpspec.spec_decode.acceptance import AcceptanceModel
 from tpspec.spec_decode.step_time import StepTimeModel
@@ -120,7 +122,9 @@ class SpeculationLengthController:
         base_tokens = sum(r.samples for r in reqs)
         if not heap or base_tokens == 0:
             return ks
-        cost = _DraftCost(self.method, model)
+        most = sum(len(g) for g in gains.values())
+        target = model.target.at(np.arange(real_rows, real_rows + most + 1)).tolist()  # by drafts verified
+        cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
         fixed = model.feed(real_rows) + model.overhead
         tokens, drafts = float(base_tokens), 0
         # Without drafts a step of decodes alone runs the decode curve; one draft moves it to the target's.
@@ -136,7 +140,7 @@ class SpeculationLengthController:
             drafts += 1
             cost.add(ks[i])
             ks[i] += 1
-            rate = tokens / (model.target(real_rows + drafts) + fixed + cost.seconds)
+            rate = tokens / (target[drafts] + fixed + cost.seconds)
             if rate > best_rate:
                 best_rate, best_drafts = rate, drafts
             if ks[i] < len(gains[i]):
@@ -190,10 +194,10 @@ class SpeculationLengthController:
 
 class _DraftCost:
     """The drafting passes' seconds as drafts are handed out one at a time (``step_time.draft_passes``,
-    kept incrementally)."""
+    kept incrementally); ``pass_s[r]``: one pass over r rows."""
 
-    def __init__(self, method: str, model: StepTimeModel):
-        self.method, self.curve = method, model.draft
+    def __init__(self, method: str, pass_s: list[float]):
+        self.method, self.curve = method, pass_s.__getitem__
         self.rows = 0  # dflash: rows of the one block pass
         self.pass_rows: list[int] = []  # chains: rows of pass j
         self.seconds = 0.0

@@ -72,6 +72,17 @@ class PiecewiseLinear:
     def __call__(self, x: float) -> float:
         return sum(w * self.ys[i] for i, w in self.basis(x))
 
+    def at(self, xs: np.ndarray) -> np.ndarray:
+        """``self(x)`` for every x of ``xs`` at once."""
+        xs = np.asarray(xs, dtype=np.float64)
+        x0, y0 = self.xs[0], self.ys[0]
+        ys = np.interp(xs, self.xs, self.ys)
+        ys = np.where(xs < x0, xs / x0 * y0, ys)
+        if len(self.xs) > 1:
+            slope = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2])
+            ys = np.where(xs > self.xs[-1], self.ys[-1] + slope * (xs - self.xs[-1]), ys)
+        return np.where(xs <= 0, 0.0, ys)
+
     def values(self) -> list[float]:
         return self.ys.tolist()
 

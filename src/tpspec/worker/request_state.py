@@ -79,7 +79,7 @@ class RequestStates:
                     f"request {s.req_id!r}: asked to verify {s.num_spec} drafts, the ranks hold {len(state.draft_ids)}"
                 )
             end = s.start_pos + s.num_new_tokens
-            tokens = req.all_token_ids[s.start_pos : end] + state.draft_ids[: s.num_spec]
+            tokens = req.token_ids_between(s.start_pos, end) + state.draft_ids[: s.num_spec]
             seqs.append(ScheduledSeq(s, state, tokens, sample=end == req.num_tokens))
         return seqs
 
