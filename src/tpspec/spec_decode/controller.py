@@ -197,7 +197,7 @@ class _DraftCost:
     kept incrementally); ``pass_s[r]``: one pass over r rows."""
 
     def __init__(self, method: str, pass_s: list[float]):
-        self.method, self.curve = method, pass_s.__getitem__
+        self.method, self.pass_s = method, pass_s
         self.rows = 0  # dflash: rows of the one block pass
         self.pass_rows: list[int] = []  # chains: rows of pass j
         self.seconds = 0.0
@@ -209,10 +209,10 @@ class _DraftCost:
         if self.method == "dflash":
             old = self.rows
             self.rows += 2 if k_before == 0 else 1
-            self.seconds += self.curve(self.rows) - self.curve(old)
+            self.seconds += self.pass_s[self.rows] - self.pass_s[old]
             return
         if k_before == len(self.pass_rows):
             self.pass_rows.append(0)
         old = self.pass_rows[k_before]
         self.pass_rows[k_before] += 1
-        self.seconds += self.curve(old + 1) - self.curve(old)
+        self.seconds += self.pass_s[old + 1] - self.pass_s[old]

@@ -98,13 +98,10 @@ class StepTimeModel:
     def forward_curve(self, decode_only: bool) -> PiecewiseLinear:
         return self.decode if decode_only else self.target
 
-    def predict_phases(self, target_rows: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> tuple[float, float]:
-        """(target seconds, drafter seconds) of a step."""
-        drafter = self.feed(feed_rows) + sum(self.draft(r) for r in draft_passes(self.method, ks))
-        return self.forward_curve(decode_only)(target_rows), drafter
-
     def predict(self, target_rows: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> float:
-        return sum(self.predict_phases(target_rows, feed_rows, ks, decode_only)) + self.overhead
+        """Seconds of a step: the target's forward, the drafter's feed and passes, the overhead."""
+        drafter = self.feed(feed_rows) + sum(self.draft(r) for r in draft_passes(self.method, ks))
+        return self.forward_curve(decode_only)(target_rows) + drafter + self.overhead
 
     def observe(
         self, target_rows: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float, step_s: float,
