@@ -1,6 +1,8 @@
 """``Attention`` over the paged KV cache against a plain per-sequence softmax attention: prefill
 chunks, speculative (k + 1 query) steps and decode steps (the fused-SDPA path), batched with
-padding, uniform GQA groups and an uneven head split, in float32, float16 and bfloat16."""
+padding and across query-length groups, with a non-causal draft block, uniform GQA groups and an
+uneven head split, in float32, float16 and bfloat16. The cache holds only the earlier tokens
+before the call: the attention writes the new tokens' K/V itself."""
 
 from __future__ import annotations
 
@@ -13,26 +15,39 @@ BLOCK = 4
 HEAD_DIM = 16
 
 
-def _reference(q, keys, values, kv_of_head, query_start):
-    """q: [n_q, heads, d] for positions query_start.. ; keys/values: [ctx, kv_heads, d] -> [n_q, heads·d] (float32)."""
+def _reference(q, keys, values, kv_of_head, query_start, tail=0):
+    """q: [n_q, heads, d] for positions query_start.. ; keys/values: [ctx, kv_heads, d] -> [n_q, heads·d] (float32).
+    The last ``tail`` positions see each other both ways."""
     q, keys, values = q.float(), keys.float(), values.float()
     k = keys[:, kv_of_head]  # [ctx, heads, d]
     v = values[:, kv_of_head]
     scores = torch.einsum("qhd,khd->hqk", q, k) * HEAD_DIM**-0.5
     pos = torch.arange(keys.shape[0])
     qpos = query_start + torch.arange(q.shape[0])
-    scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+    ctx = keys.shape[0]
+    visible = (pos[None, :] <= qpos[:, None]) | ((pos[None, :] >= ctx - tail) & (qpos[:, None] >= ctx - tail))
+    scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_of_head", [(4, [0, 0, 1, 1]), (3, [0, 1, 1])])  # uniform groups; uneven split
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1], [3, 1, 2], [4, 4]])  # decode batches; mixed; k + 1 queries
-def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens):
+@pytest.mark.parametrize(
+    "query_lens,context_lens,tail",
+    [
+        ([1, 1, 1], [9, 14, 5], None),  # decodes
+        ([1], [11], None),
+        ([3, 1, 2], [9, 14, 5], None),  # mixed: a decode beside k + 1 queries
+        ([4, 4], [9, 14], None),  # k + 1 queries
+        ([1, 7, 2, 1, 16, 3], [9, 20, 5, 30, 18, 12], None),  # groups out of step order, padded within each
+        ([1, 6], [4, 25], None),  # one decode beside a longer context: its keys are padded
+        ([4, 1, 3], [9, 14, 7], [4, 0, 3]),  # non-causal draft blocks (DFlash)
+    ],
+)
+def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens, context_lens, tail):
     g = torch.Generator().manual_seed(len(query_lens) * 10 + heads)
     kv_heads = 2
-    context_lens = [9, 14, 5][: len(query_lens)] if len(query_lens) > 1 else [11]
-    num_blocks = 32
+    num_blocks = 48
     k_cache = torch.zeros(num_blocks * BLOCK, kv_heads, HEAD_DIM, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     # Scattered, non-contiguous blocks per sequence.
@@ -40,17 +55,29 @@ def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens)
     assert len({b for t in tables for b in t}) == sum(len(t) for t in tables)
     keys = [torch.randn(c, kv_heads, HEAD_DIM, generator=g).to(dtype) for c in context_lens]
     values = [torch.randn(c, kv_heads, HEAD_DIM, generator=g).to(dtype) for c in context_lens]
-    for t, kk, vv in zip(tables, keys, values):  # earlier tokens already cached
-        slots = torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for p in range(kk.shape[0])])
-        k_cache[slots], v_cache[slots] = kk, vv
+
+    def slots(t, positions):
+        return torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for p in positions], dtype=torch.int64)
+
+    for t, kk, vv, n in zip(tables, keys, values, query_lens):  # earlier tokens already cached, not the new ones
+        earlier = slots(t, range(kk.shape[0] - n))
+        k_cache[earlier], v_cache[earlier] = kk[: kk.shape[0] - n], vv[: vv.shape[0] - n]
     q = [torch.randn(n, heads, HEAD_DIM, generator=g).to(dtype) for n in query_lens]
     new_k = torch.cat([kk[-n:] for kk, n in zip(keys, query_lens)])
     new_v = torch.cat([vv[-n:] for vv, n in zip(values, query_lens)])
-    md = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK, torch.device("cpu"))
+    md = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK, torch.device("cpu"), non_causal_tail=tail)
     assert md.decode_only == (max(query_lens) == 1)
     attn = Attention(heads, kv_heads, HEAD_DIM, torch.tensor(kv_of_head))
     out = attn(torch.cat(q), new_k, new_v, (k_cache, v_cache), md)
     assert out.dtype == dtype and out.shape == (sum(query_lens), heads * HEAD_DIM)
-    ref = torch.cat([_reference(qq, kk, vv, kv_of_head, c - n) for qq, kk, vv, c, n in zip(q, keys, values, context_lens, query_lens)])
+    tails = tail or [0] * len(query_lens)
+    ref = torch.cat([
+        _reference(qq, kk, vv, kv_of_head, c - n, b)
+        for qq, kk, vv, c, n, b in zip(q, keys, values, context_lens, query_lens, tails)
+    ])
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    for t, kk, vv, n in zip(tables, keys, values, query_lens):  # the new tokens' K/V are cached for later steps
+        new = slots(t, range(kk.shape[0] - n, kk.shape[0]))
+        torch.testing.assert_close(k_cache[new], kk[-n:].to(k_cache.dtype))
+        torch.testing.assert_close(v_cache[new], vv[-n:].to(v_cache.dtype))

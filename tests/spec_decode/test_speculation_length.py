@@ -23,6 +23,7 @@ import pytest
 
 from tests.models.test_eagle3 import write_eagle3
 from tpspec import LLM, SamplingParams
+from tpspec.spec_decode import dflash
 from tpspec.spec_decode.controller import SpeculationLengthController
 from tpspec.worker.model_runner import ModelRunner
 
@@ -98,8 +99,9 @@ def _generate(target: str, tp: int, spec: dict | None, engine: dict) -> tuple[li
 
 
 def _run(key: tuple, target: str, drafters: dict, monkeypatch, roomy: bool = False) -> dict:
-    """key: (method, tp, flag, mode), mode "random" (random k), "pinned" (k = K) or "adaptive";
-    ``roomy``: the ROOMY engine instead of ENGINE."""
+    """key: (method, tp, flag, mode), mode "random" (random k), "random-cap" (random k, DFlash
+    writing deferred context past 2 tokens), "pinned" (k = K) or "adaptive"; ``roomy``: the ROOMY
+    engine instead of ENGINE."""
     key = (*key, roomy)
     engine = ROOMY if roomy else ENGINE
     if key not in _RUNS:
@@ -110,7 +112,9 @@ def _run(key: tuple, target: str, drafters: dict, monkeypatch, roomy: bool = Fal
         else:
             spec = _spec(method, drafters, flag, **({"adaptive": False} if mode == "pinned" else {}))
             with monkeypatch.context() as m:
-                if mode == "random":
+                if mode == "random-cap":
+                    m.setattr(dflash, "MAX_DEFERRED_TOKENS", 2)
+                if mode.startswith("random"):
                     m.setattr(SpeculationLengthController, "_rng", random.Random(7), raising=False)
                     m.setattr(SpeculationLengthController, "_adaptive_ks", _random_ks)
                 drafts = _record_drafts(m)
@@ -134,10 +138,16 @@ def test_random_k_is_lossless(case, tiny_llama, drafters, monkeypatch):
         assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("case", ["dflash-flag-tp1", "dflash-flag-tp2", "eagle3-flag-tp1", "eagle3-noflag-tp2"])
-def test_drafts_do_not_depend_on_earlier_k(case, tiny_llama, drafters, monkeypatch):
+@pytest.mark.parametrize(
+    "case,mode",
+    [("dflash-flag-tp1", "random"), ("dflash-flag-tp2", "random"), ("dflash-flag-tp1", "random-cap"),
+     ("eagle3-flag-tp1", "random"), ("eagle3-noflag-tp2", "random")],
+)
+def test_drafts_do_not_depend_on_earlier_k(case, mode, tiny_llama, drafters, monkeypatch):
+    """Whatever k a request had before (0 included: DFlash defers its context then, "random-cap"
+    makes it write it after 2 tokens), its drafter proposes what it would with k pinned."""
     method, tp, flag = CASES[case]
-    random_run = _run((method, tp, flag, "random"), tiny_llama, drafters, monkeypatch, roomy=True)
+    random_run = _run((method, tp, flag, mode), tiny_llama, drafters, monkeypatch, roomy=True)
     pinned = _run((method, tp, flag, "pinned"), tiny_llama, drafters, monkeypatch, roomy=True)
     # (An EAGLE-3 head's KV at a prefill chunk's last position stays unwritten, so there chunk
     # boundaries, which the token budget left by drafts moves, change its drafts: ROOMY has none.)

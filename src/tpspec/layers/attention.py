@@ -3,7 +3,10 @@
 The cache of one layer is ``[num_blocks · block_size, kv_heads, head_dim]`` for K and for V;
 token t of a sequence lives in slot ``block_table[t // block_size] · block_size + t % block_size``.
 A step's tokens are written to their slots first, then each sequence's queries attend over its
-gathered keys, padded to the batch's longest context and masked.
+gathered keys, padded to the batch's longest context and masked. Sequences with queries of one
+length class (``query_length_class``: decodes, 2–8, 9–16, 17–32, … queries) attend in one call with
+their queries padded to the class's longest, so one long query (a prefill chunk, a long draft
+block) does not pad every other sequence of the step to its length.
 """
 
 from __future__ import annotations
@@ -41,16 +44,49 @@ def allocate_kv_cache(
     ]
 
 
+# Up to this many queries per sequence, attention reads the keys in about the time of one query
+# (it is bound by reading them), so such sequences share one call.
+SMALL_QUERY_CLASS = 8
+
+
+def query_length_class(query_len: int) -> int:
+    """Sequences of one class attend in one call, their queries padded to the longest: 1 (decodes),
+    2 … SMALL_QUERY_CLASS, then each next power of two (padding at most doubles the queries)."""
+    if query_len <= 1:
+        return 1
+    return max(SMALL_QUERY_CLASS, 1 << (query_len - 1).bit_length())
+
+
+@dataclass
+class QueryGroup:
+    """Sequences ``seq_start … seq_end − 1`` of a step, in ``AttentionMetadata`` order, of one
+    ``query_length_class``: attention runs once per group with queries padded to the group's
+    longest, so a prefill chunk or a long draft block pads only the sequences of its own class."""
+
+    seq_start: int
+    seq_end: int
+    query_index: torch.Tensor  # [seqs, max_query] index into the step's tokens (padded with num_tokens)
+    query_valid: torch.Tensor  # [seqs, max_query] bool
+    token_rows: torch.Tensor  # [valid queries] the step's token index of each valid query, row-major
+    attn_bias: torch.Tensor  # [seqs, 1, 1, max_query, max_context] float32: 0 = attend, -inf = masked
+
+    @property
+    def decode(self) -> bool:
+        return self.query_index.shape[1] == 1
+
+
 @dataclass
 class AttentionMetadata:
-    """Per-step tensors, built once by the model runner and shared by every layer."""
+    """Per-step tensors, built once by the model runner and shared by every layer. Sequences are
+    kept grouped by ``query_length_class`` (stable within a class): ``context_slots`` row s is
+    the s-th sequence in that order."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token, in the step's token order
     context_slots: torch.Tensor  # [num_seqs, max_context] slots of every key of each sequence (padded with 0)
-    query_index: torch.Tensor  # [num_seqs, max_query] index into the step's tokens (padded with num_tokens)
-    query_valid: torch.Tensor  # [num_seqs, max_query] bool
-    attn_bias: torch.Tensor  # [num_seqs, 1, 1, max_query, max_context] float32: 0 = attend, -inf = masked
-    decode_only: bool  # every sequence feeds exactly one token: no query padding
+    groups: list[QueryGroup]
+    # [num_tokens] where each token's output is in the groups' outputs concatenated; None: in token order
+    output_order: torch.Tensor | None
+    decode_only: bool  # every sequence feeds exactly one token: one group, no query padding
     _head_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def head_rows(self, kv_heads: int, heads: tuple[int, ...]) -> torch.Tensor:
@@ -82,39 +118,61 @@ class AttentionMetadata:
         ``non_causal_tail[i]`` > 0 lets the last that many queries of sequence i see each other
         in both directions (a parallel draft block); causal everywhere else.
         """
-        max_q, max_ctx = max(query_lens), max(context_lens)
+        num_seqs, max_ctx = len(query_lens), max(context_lens)
         num_tokens = sum(query_lens)
-        pos = torch.arange(max_ctx)
-        ctx = torch.tensor(context_lens)
         qlen = torch.tensor(query_lens)
+        ctx = torch.tensor(context_lens)
+        tail = torch.tensor(non_causal_tail) if non_causal_tail is not None else torch.zeros(num_seqs, dtype=torch.int64)
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)  # [num_seqs, width]
-        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
-        key_valid = pos[None, :] < ctx[:, None]
+        # The new tokens' slots, in token order.
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs), qlen)  # [num_tokens]
+        starts = torch.cumsum(qlen, 0) - qlen  # [num_seqs] first token of each sequence
+        token_pos = (ctx - qlen)[token_seq] + torch.arange(num_tokens) - starts[token_seq]
+        slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+        classes = [query_length_class(n) for n in query_lens]
+        order = sorted(range(num_seqs), key=classes.__getitem__)  # stable: a class keeps the step's order
+        pos = torch.arange(max_ctx)
+        order_t = torch.tensor(order)
+        slots = tables[order_t][:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
+        key_valid = pos[None, :] < ctx[order_t][:, None]
         context_slots = torch.where(key_valid, slots, 0)
-        qpos_local = torch.arange(max_q)
-        query_valid = qpos_local[None, :] < qlen[:, None]  # [num_seqs, max_q]
-        starts = torch.cumsum(qlen, 0) - qlen
-        query_index = torch.where(query_valid, starts[:, None] + qpos_local[None, :], num_tokens)
-        qpos = (ctx - qlen)[:, None] + qpos_local[None, :]  # [num_seqs, max_q] absolute position of each query
-        mask = pos[None, None, :] <= qpos[:, :, None]
-        if non_causal_tail is not None:
-            tail = torch.tensor(non_causal_tail)
-            in_tail = pos[None, :] >= (ctx - tail)[:, None]  # keys inside the block
-            q_in_tail = qpos >= (ctx - tail)[:, None]
-            mask = mask | (in_tail[:, None, :] & q_in_tail[:, :, None])
-        mask = mask & key_valid[:, None, :]
-        mask = mask | ~query_valid[:, :, None]  # padded queries attend somewhere (result discarded)
-        flat_slots = torch.where(query_valid, slots.gather(1, torch.clamp(qpos, max=max_ctx - 1)), -1)
-        slot_mapping = flat_slots[query_valid]
-        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+        groups = []
+        first = 0
+        while first < num_seqs:
+            last = first
+            while last < num_seqs and classes[order[last]] == classes[order[first]]:
+                last += 1
+            members = order_t[first:last]
+            g_qlen, g_ctx, g_tail = qlen[members], ctx[members], tail[members]
+            max_q = int(g_qlen.max())
+            qpos_local = torch.arange(max_q)
+            query_valid = qpos_local[None, :] < g_qlen[:, None]  # [seqs, max_q]
+            query_index = torch.where(query_valid, starts[members][:, None] + qpos_local[None, :], num_tokens)
+            qpos = (g_ctx - g_qlen)[:, None] + qpos_local[None, :]  # [seqs, max_q] absolute position of each query
+            mask = pos[None, None, :] <= qpos[:, :, None]  # [seqs, max_q, max_ctx]
+            block_start = (g_ctx - g_tail)[:, None]
+            mask = mask | ((pos[None, :] >= block_start)[:, None, :] & (qpos >= block_start)[:, :, None])
+            mask = mask & key_valid[first:last, None, :]
+            mask = mask | ~query_valid[:, :, None]  # padded queries attend somewhere (result discarded)
+            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            groups.append(QueryGroup(
+                first, last, query_index.to(device), query_valid.to(device), query_index[query_valid].to(device),
+                bias[:, None, None].to(device),
+            ))
+            first = last
+        output_order = None
+        if len(groups) > 1:
+            rows = torch.cat([g.token_rows.cpu() for g in groups])  # [num_tokens] token of each concatenated output
+            output_order = torch.empty_like(rows)
+            output_order[rows] = torch.arange(num_tokens)
+            output_order = output_order.to(device)
         return cls(
             slot_mapping=slot_mapping.to(device),
             context_slots=context_slots.to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            attn_bias=bias[:, None, None].to(device),
-            decode_only=max_q == 1,
+            groups=groups,
+            output_order=output_order,
+            decode_only=len(groups) == 1 and groups[0].decode,
         )
 
     @classmethod
@@ -134,9 +192,9 @@ class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
     K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``).
-    Decode steps in float32 (float16 attends in float32) go through PyTorch's fused SDPA;
-    everything else (prefill, k + 1 speculative queries, bfloat16) through two batched matmuls
-    over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
+    Per ``QueryGroup``: decodes in float32 (float16 attends in float32) go through PyTorch's fused
+    SDPA; everything else (prefill, k + 1 speculative queries, bfloat16) through two batched
+    matmuls over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_head_of_head: torch.Tensor):
@@ -178,13 +236,34 @@ class Attention(nn.Module):
         keys = k_cache.view(-1, d).index_select(0, rows).view(shape)
         values = v_cache.view(-1, d).index_select(0, rows).view(shape)
         q = q.to(compute)
-        if md.decode_only and compute == torch.float32:
-            return self._decode_sdpa(q, keys, values, md).to(k.dtype)
-        if md.decode_only:
-            q_pad = q.unsqueeze(1)  # [num_seqs, 1, heads, d]
-        else:
-            q_pad = torch.cat([q, q.new_zeros(1, self.num_heads, d)])[md.query_index]  # [num_seqs, max_q, heads, d]
-        max_q = q_pad.shape[1]
+        outs = []  # per group: [valid queries, num_heads · d]
+        q_padded = None  # [num_tokens + 1, heads, d]: the step's queries and one zero query for padding
+        for g in md.groups:
+            g_keys, g_values = keys[g.seq_start : g.seq_end], values[g.seq_start : g.seq_end]
+            if g.decode and compute == torch.float32:
+                mask = g.attn_bias[:, 0] if num_seqs > 1 else None  # [seqs, 1, 1, max_ctx]; one sequence: no padding
+                outs.append(self._decode_sdpa(q if md.decode_only else q[g.token_rows], g_keys, g_values, mask))
+                continue
+            if g.decode:
+                q_pad = (q if md.decode_only else q[g.token_rows]).unsqueeze(1)  # [seqs, 1, heads, d]
+            else:
+                if q_padded is None:
+                    q_padded = torch.cat([q, q.new_zeros(1, self.num_heads, d)])
+                q_pad = q_padded[g.query_index]  # [seqs, max_q, heads, d]
+            outs.append(self._padded_attention(q_pad, g_keys, g_values, g)[g.query_valid])
+        out = outs[0] if md.output_order is None else torch.cat(outs)[md.output_order]
+        return out.to(k.dtype)
+
+    def _padded_attention(
+        self,
+        q_pad: torch.Tensor,  # [seqs, max_q, num_heads, head_dim]
+        keys: torch.Tensor,  # [seqs, kv_heads, max_context, head_dim] (kv_heads = num_heads if groups are uneven)
+        values: torch.Tensor,  # same
+        g: QueryGroup,
+    ) -> torch.Tensor:  # [seqs, max_q, num_heads · head_dim]
+        """One group's attention as two batched matmuls over [seqs, kv_heads, group · queries, keys]."""
+        num_seqs, max_q, _, d = q_pad.shape
+        max_ctx = keys.shape[2]
         kv_heads = len(self.gathered_heads)
         group = self.num_heads // kv_heads
         # Query heads of one KV head and their queries share the matmul's row dimension.
@@ -192,22 +271,19 @@ class Attention(nn.Module):
         qg = qg.reshape(num_seqs, kv_heads, group * max_q, d)  # [seqs, kv, group·q, d]
         scores = torch.matmul(qg, keys.transpose(-1, -2))  # [seqs, kv, group·q, ctx]
         scores = scores.float().mul_(self.scale).view(num_seqs, kv_heads, group, max_q, max_ctx)
-        probs = torch.softmax(scores.add_(md.attn_bias), dim=-1).to(compute)
+        probs = torch.softmax(scores.add_(g.attn_bias), dim=-1).to(q_pad.dtype)
         out = torch.matmul(probs.view(num_seqs, kv_heads, group * max_q, max_ctx), values)  # [seqs, kv, group·q, d]
-        out = out.view(num_seqs, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, self.num_heads * d)
-        out = out.to(k.dtype)
-        return out.view(-1, self.num_heads * d) if md.decode_only else out[md.query_valid]
+        return out.view(num_seqs, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, self.num_heads * d)
 
     def _decode_sdpa(
         self,
         q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
         keys: torch.Tensor,  # [num_seqs, kv_heads, max_context, head_dim] (kv_heads = num_heads if groups are uneven)
         values: torch.Tensor,  # same
-        md: AttentionMetadata,
+        mask: torch.Tensor | None,  # [num_seqs, 1, 1, max_context] additive, None: every key
     ) -> torch.Tensor:  # [num_seqs, num_heads · head_dim]
-        """Decode steps in float32 through PyTorch's fused SDPA, faster on CPU than the two
-        matmuls (not so in bfloat16); the same result up to float rounding."""
-        mask = md.attn_bias[:, 0] if q.shape[0] > 1 else None  # [num_seqs, 1, 1, max_context]; one sequence has no padding
+        """Decodes in float32 through PyTorch's fused SDPA, faster on CPU than the two matmuls
+        (not so in bfloat16); the same result up to float rounding."""
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [num_seqs, num_heads, 1, head_dim]

@@ -127,9 +127,10 @@ class SpeculationLengthController:
         cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
         fixed = model.feed(real_rows) + model.overhead
         tokens, drafts = float(base_tokens), 0
-        # Without drafts a step of decodes alone runs the decode curve; one draft moves it to the target's.
-        plain = model.forward_curve(real_rows == len(reqs))(real_rows)
-        best_rate, best_drafts = tokens / (plain + fixed), 0
+        # Without drafts a step of decodes alone runs the decode curve; one draft moves it to the
+        # target's (and makes a deferring drafter feed).
+        plain = model.forward_curve(real_rows == len(reqs))(real_rows) + model.feed(model.fed_rows(real_rows, False))
+        best_rate, best_drafts = tokens / (plain + model.overhead), 0
         order = []
         while heap:
             neg_gain, i = heapq.heappop(heap)

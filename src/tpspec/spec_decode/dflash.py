@@ -1,17 +1,21 @@
 """``method: dflash``: a parallel block drafter fed with the target's hidden states.
 
-Per step, for every continuing sequence, the target features of the tokens it just kept are
-turned into context K/V in the drafter's paged KV cache (same block tables as the target, so the
-invariant "draft KV valid below the target's computed tokens" holds by construction). Each
-proposing sequence then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the
-scheduler reserves these k + 1 slots); outputs 1 … k are the k drafts, picked for all B·k rows
-at once by the base class, which is where ``use_local_argmax_reduction`` pays most.
+Per step, the target features of the tokens each sequence just kept are turned into context K/V
+in the drafter's paged KV cache (same block tables as the target). A sequence that proposes no
+drafts this step (k = 0) puts that off: its features wait on the rank (``DeferredContext``, at
+most ``MAX_DEFERRED_TOKENS``) and are written in one batch with the step in which it proposes
+again, so steps without speculation cost the drafter nothing, and the invariant "draft KV valid
+below the target's computed tokens" holds whenever a block is drafted. Each proposing sequence
+then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the scheduler reserves
+these k + 1 slots); outputs 1 … k are the k drafts, picked for all B·k rows at once by the base
+class, which is where ``use_local_argmax_reduction`` pays most.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +27,20 @@ from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, Draf
 
 # The drafter trained for the default model (``tpspec train-draft``), used when ``model`` is omitted.
 SHIPPED_DFLASH_DRAFTER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", "smollm2-135m-dflash")
+
+
+# Context tokens a sequence that proposes nothing may leave unwritten (the features wait on the
+# rank, 4 · capture layers · hidden size bytes each); past this they are written anyway.
+MAX_DEFERRED_TOKENS = 256
+
+
+@dataclass
+class DeferredContext:
+    """Kept tokens of one sequence whose context K/V the drafter has not written yet."""
+
+    features: torch.Tensor  # [n, len(capture_layers) · hidden_size] their target features
+    positions: list[int]  # [n]
+    slots: list[int]  # [n] KV cache slots (the request's block table when they were kept)
 
 
 def slots_of(positions: list[int], block_table: list[int], block_size: int) -> list[int]:
@@ -76,16 +94,32 @@ class DFlashSpeculator(DraftModelSpeculator):
         bs = self.engine_config.cache.block_size
         drafts: list[list[int]] = [[] for _ in inp.token_ids]
         dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
-        # 1. Context K/V of every kept token.
-        ctx_pos, ctx_slots = [], []
+        # 1. Context K/V of every kept token of the proposing sequences (with what they deferred);
+        # the others defer theirs.
+        ctx_features, ctx_pos, ctx_slots = [], [], []
+        deferred: list[DeferredContext | None] = [None] * len(inp.token_ids)
+        offset = 0
         for i in range(len(inp.token_ids)):
-            pos = list(range(inp.start_pos[i], inp.start_pos[i] + inp.num_context(i)))
+            n = inp.num_context(i)
+            features = inp.target_features[offset : offset + n]  # [n, width]
+            offset += n
+            pos = list(range(inp.start_pos[i], inp.start_pos[i] + n))
+            slots = slots_of(pos, inp.block_tables[i], bs)
+            backlog = inp.deferred[i] if inp.deferred is not None else None
+            if backlog is not None:
+                features = torch.cat([backlog.features, features])
+                pos, slots = backlog.positions + pos, backlog.slots + slots
+            if inp.num_drafts[i] == 0 and len(pos) <= MAX_DEFERRED_TOKENS:
+                # A copy: a view would keep the whole step's captured hidden states alive.
+                deferred[i] = DeferredContext(features.clone(), pos, slots) if pos else None
+                continue
+            ctx_features.append(features)
             ctx_pos += pos
-            ctx_slots += slots_of(pos, inp.block_tables[i], bs)
+            ctx_slots += slots
         with self._tp_context():
             if ctx_pos:
                 self.model.write_context(
-                    inp.target_features,
+                    torch.cat(ctx_features),
                     torch.tensor(ctx_pos, dtype=torch.int64, device=self.device),
                     torch.tensor(ctx_slots, dtype=torch.int64, device=self.device),
                     self.kv_caches,
@@ -103,7 +137,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                 starts.append(start)
                 lens.append(length)
         if not rows:
-            return DraftOutput(drafts, dists)
+            return DraftOutput(drafts, dists, deferred)
         mask = self.dflash_config.mask_token_id
         block_ids = [t for i, n in zip(rows, lens) for t in [inp.token_ids[i][-1]] + [mask] * (n - 1)]
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
@@ -129,5 +163,5 @@ class DFlashSpeculator(DraftModelSpeculator):
             if sample.dists is not None:
                 dists[i] = sample.dists[o : o + n - 1]  # [n − 1, vocab_size]
             o += n - 1
-        return DraftOutput(drafts, dists)
+        return DraftOutput(drafts, dists, deferred)
 

@@ -48,6 +48,10 @@ class DraftInput:
     layers, concatenated, for each token the target has run and kept, sequence by sequence:
     ``token_ids[i][:-1]`` for a sampled sequence (its last token is the new bonus/recovered
     token, which the target has not run yet), all of ``token_ids[i]`` otherwise.
+
+    ``deferred[i]``: what the drafter put off for sequence i in earlier steps (its own
+    ``DraftOutput.deferred``, kept by the rank per request and dropped when the request restarts
+    from position 0), or None.
     """
 
     token_ids: list[list[int]]
@@ -57,6 +61,7 @@ class DraftInput:
     num_drafts: list[int]
     sampling: SamplingMetadata | None  # one row per sequence with num_drafts > 0 (probabilistic drafting)
     target_features: torch.Tensor | None = None  # [num_context_tokens, len(capture_layers)·hidden_size]
+    deferred: list[object | None] | None = None
 
     def num_context(self, i: int) -> int:
         """How many of sequence i's tokens have target features."""
@@ -72,6 +77,8 @@ class DraftInput:
 class DraftOutput:
     drafts: list[list[int]]  # per sequence of the DraftInput (at most num_drafts[i]; [] where it is 0)
     dists: list[torch.Tensor | None]  # per sequence: [k, vocab_size] (or [k, shard_size], see DraftSample) q, or None
+    # Per sequence: work put off until it next proposes (handed back in ``DraftInput.deferred``); None: none.
+    deferred: list[object | None] | None = None
 
 
 class DraftModelSpeculator:

@@ -7,7 +7,8 @@
   verifies nothing runs ``decode(r)`` instead: its attention takes the one-query path, which a
   single draft anywhere in the step gives up (on CPU a jump that the controller must see);
 * ``feed(r)``: the drafter's work that does not depend on k, for r kept tokens (DFlash writes their
-  context K/V, EAGLE-3 refeeds them, a draft model runs them);
+  context K/V, EAGLE-3 refeeds them, a draft model runs them); DFlash defers it while no request
+  proposes (``DEFERRED_FEED_METHODS``), so such a step has no feed;
 * ``draft(r)``: one drafting pass over r rows (forward, LM head and draft sampling). Which passes
   a choice of k per request makes depends on the method (``draft_passes``);
 * ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+# Drafters that feed only the requests proposing drafts (the others' kept tokens wait until they do).
+DEFERRED_FEED_METHODS = ("dflash",)
 LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
 OVERHEAD_DECAY = 0.9
 
@@ -98,9 +101,15 @@ class StepTimeModel:
     def forward_curve(self, decode_only: bool) -> PiecewiseLinear:
         return self.decode if decode_only else self.target
 
+    def fed_rows(self, feed_rows: int, proposing: bool) -> int:
+        """Rows the drafter feeds in a step with ``feed_rows`` kept tokens (approximately, for a
+        deferring drafter: the backlog of the requests that propose is not known here)."""
+        return 0 if not proposing and self.method in DEFERRED_FEED_METHODS else feed_rows
+
     def predict(self, target_rows: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> float:
         """Seconds of a step: the target's forward, the drafter's feed and passes, the overhead."""
-        drafter = self.feed(feed_rows) + sum(self.draft(r) for r in draft_passes(self.method, ks))
+        fed = self.fed_rows(feed_rows, any(k > 0 for k in ks))
+        drafter = self.feed(fed) + sum(self.draft(r) for r in draft_passes(self.method, ks))
         return self.forward_curve(decode_only)(target_rows) + drafter + self.overhead
 
     def observe(
@@ -111,7 +120,8 @@ class StepTimeModel:
         _nlms(self.forward_curve(decode_only), [target_rows], target_s)
         if self.method != "ngram":
             passes = draft_passes(self.method, ks)
-            _nlms_joint([(self.feed, [feed_rows]), (self.draft, passes)], drafter_s)
+            fed = self.fed_rows(feed_rows, any(k > 0 for k in ks))
+            _nlms_joint([(self.feed, [fed] if fed else []), (self.draft, passes)], drafter_s)
         rest = max(0.0, step_s - target_s - drafter_s)
         self.overhead = OVERHEAD_DECAY * self.overhead + (1.0 - OVERHEAD_DECAY) * rest
 

@@ -229,7 +229,8 @@ class ModelRunner:
                  for i in sampling for j in range(seqs[i].num_spec + 1)],
                 device=self.device,
             )
-            if self.rejection_sampler is None:
+            if self.rejection_sampler is None or not any(seqs[i].num_spec for i in sampling):
+                # No drafts to verify: the Sampler, which is what verification of k = 0 draws.
                 # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.
                 if isinstance(logits, LogitsShard):
                     tokens = vocab_parallel.sample(logits, meta, site).tolist()
@@ -356,7 +357,8 @@ class ModelRunner:
             )
         out = self.speculator.propose(
             DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs],
-                       [bool(e) for e in sampled], wanted, sampling, features)
+                       [bool(e) for e in sampled], wanted, sampling, features, [s.state.drafter_backlog for s in seqs])
         )
-        for s, drafts, q in zip(seqs, out.drafts, out.dists):
-            s.state.draft_ids, s.state.draft_dists = drafts, q
+        backlogs = out.deferred or [None] * len(seqs)
+        for s, drafts, q, backlog in zip(seqs, out.drafts, out.dists, backlogs):
+            s.state.draft_ids, s.state.draft_dists, s.state.drafter_backlog = drafts, q, backlog

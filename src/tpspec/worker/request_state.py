@@ -20,6 +20,8 @@ class RequestState:
     req: Request  # the rank's copy: prompt and output tokens, sampling params, seed, stop conditions, blocks
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next step
     draft_dists: torch.Tensor | None = None  # [len(draft_ids), width] q of probabilistic drafts
+    # The drafter's deferred work on this request's kept tokens (``DraftInput.deferred``); None: none.
+    drafter_backlog: object | None = None
 
 
 @dataclass
@@ -73,6 +75,7 @@ class RequestStates:
             req = state.req
             if s.start_pos == 0:  # nothing cached: first chunk, or recomputed after a preemption
                 req.block_ids = []
+                state.drafter_backlog = None  # its slots may belong to another request by now
             req.block_ids.extend(s.new_block_ids)
             if s.num_spec > len(state.draft_ids):
                 raise RuntimeError(
