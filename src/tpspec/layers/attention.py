@@ -177,15 +177,17 @@ class AttentionMetadata:
 
     @classmethod
     def dummy(
-        cls, num_rows: int, query_len: int, block_size: int, device: torch.device, non_causal: bool = False
+        cls, num_rows: int, query_len: int, block_size: int, device: torch.device, non_causal: bool = False,
+        context: int = 0,
     ) -> tuple["AttentionMetadata", torch.Tensor]:
-        """``num_rows`` tokens as sequences of at most ``query_len`` tokens at positions 0, 1, …, all
-        in the first blocks of the cache (for profiling before any request owns a block).
-        Returns (metadata, positions [num_rows])."""
+        """``num_rows`` tokens as sequences of at most ``query_len`` tokens after ``context`` earlier
+        ones (positions context, context + 1, …), all in the first blocks of the cache (for
+        profiling before any request owns a block). Returns (metadata, positions [num_rows])."""
         lens = [query_len] * (num_rows // query_len) + ([num_rows % query_len] if num_rows % query_len else [])
-        table = list(range(-(-query_len // block_size)))
-        md = cls.build(lens, lens, [table] * len(lens), block_size, device, non_causal_tail=lens if non_causal else None)
-        return md, torch.cat([torch.arange(n) for n in lens]).to(device)
+        table = list(range(-(-(context + query_len) // block_size)))
+        md = cls.build(lens, [context + n for n in lens], [table] * len(lens), block_size, device,
+                       non_causal_tail=lens if non_causal else None)
+        return md, torch.cat([torch.arange(context, context + n) for n in lens]).to(device)
 
 
 class Attention(nn.Module):

@@ -82,8 +82,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             self.model.write_context(features, positions, slots, self.kv_caches)
 
     def dummy_pass(self, num_rows: int) -> None:
-        block = self.num_speculative_tokens + 1
-        md, positions = AttentionMetadata.dummy(num_rows, block, self.engine_config.cache.block_size, self.device, True)
+        md, positions = self.dummy_metadata(num_rows, self.num_speculative_tokens + 1, non_causal=True)
         embeds = self.model.target.embed_tokens(torch.zeros(num_rows, dtype=torch.int64, device=self.device))
         with self._tp_context():
             hidden = self.model(embeds, positions, self.kv_caches, md)

@@ -48,7 +48,7 @@ class DraftModelProposer(DraftModelSpeculator):
         return hidden[ends.to(self.device)]
 
     def _dummy_forward(self, num_rows: int, query_len: int) -> torch.Tensor:
-        md, positions = AttentionMetadata.dummy(num_rows, query_len, self.engine_config.cache.block_size, self.device)
+        md, positions = self.dummy_metadata(num_rows, query_len)
         ids = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         with self._tp_context():
             hidden, _ = self.model(ids, positions, self.kv_caches, md)

@@ -78,7 +78,7 @@ class Eagle3Proposer(DraftModelSpeculator):
 
     def _dummy_run(self, hidden: torch.Tensor, query_len: int) -> torch.Tensor:
         rows = hidden.shape[0]
-        md, positions = AttentionMetadata.dummy(rows, query_len, self.engine_config.cache.block_size, self.device)
+        md, positions = self.dummy_metadata(rows, query_len)
         ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
         normed, _ = self.model(ids, positions, hidden, self.kv_cache, md)
         return normed

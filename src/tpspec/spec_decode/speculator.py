@@ -19,9 +19,10 @@ import torch
 
 from tpspec.config import EngineConfig, SpeculativeConfig
 from tpspec.distributed import comm
-from tpspec.layers.attention import allocate_kv_cache
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.sample.sampler import SamplingMetadata
 from tpspec.spec_decode.draft_sampling import sample_draft_full, sample_draft_shard
+from tpspec.spec_decode.step_time import profile_context
 
 DRAFT_SAMPLE_SITE = "draft.sample"
 
@@ -201,6 +202,14 @@ class DraftModelSpeculator:
     def dummy_pass(self, num_rows: int) -> None:
         """One drafting pass over ``num_rows`` rows (forward, LM head, draft sampling), on dummy inputs."""
         raise NotImplementedError
+
+    def dummy_metadata(self, num_rows: int, query_len: int, non_causal: bool = False):
+        """``AttentionMetadata.dummy`` for the drafter's profile: sequences of ``query_len`` rows
+        after ``step_time.profile_context`` earlier tokens. Returns (metadata, positions [num_rows])."""
+        context = profile_context(self.engine_config.scheduler.max_model_len, self.num_kv_slots, query_len)
+        return AttentionMetadata.dummy(
+            num_rows, query_len, self.engine_config.cache.block_size, self.device, non_causal, context=context
+        )
 
     def dummy_sample(self, hidden: torch.Tensor) -> None:
         """Draft sampling as ``sample_draft`` does it, for every row of ``hidden`` [rows, H]."""

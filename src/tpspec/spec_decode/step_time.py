@@ -14,7 +14,7 @@
 * ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
 
 Each curve is piecewise linear on a grid of row counts, measured by a short profile at start-up
-(``ModelRunner.profile_step_time``) and corrected online from every step's measured phase times
+(``ModelRunner.profile_step_time``, sequences with ``PROFILE_CONTEXT`` earlier tokens) and corrected online from every step's measured phase times
 by normalized least mean squares: the error of a step's prediction is spread over the grid
 points the prediction used, in proportion to their weight in it.
 """
@@ -23,10 +23,19 @@ from __future__ import annotations
 
 import numpy as np
 
+# Profiled sequences attend to this many earlier tokens (attention's share of a step grows with
+# the context: a profile over empty contexts would underrate verifying drafts).
+PROFILE_CONTEXT = 256
 # Drafters that feed only the requests proposing drafts (the others' kept tokens wait until they do).
 DEFERRED_FEED_METHODS = ("dflash",)
 LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
 OVERHEAD_DECAY = 0.9
+
+
+def profile_context(max_model_len: int, num_slots: int, query_len: int) -> int:
+    """Earlier tokens each profiled sequence attends to: ``PROFILE_CONTEXT``, less where
+    max_model_len or the KV cache leaves less room."""
+    return max(0, min(PROFILE_CONTEXT, max_model_len - query_len, num_slots - query_len))
 
 
 def profile_grid(max_rows: int) -> list[int]:

@@ -31,7 +31,7 @@ from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
 from tpspec.spec_decode.speculator import DraftInput
-from tpspec.spec_decode.step_time import profile_grid
+from tpspec.spec_decode.step_time import profile_context, profile_grid
 from tpspec.worker.request_state import RequestStates, ScheduledSeq
 from tpspec.worker.step import StepInput, StepOutput, TokenLogprobs
 
@@ -138,7 +138,8 @@ class ModelRunner:
         grid = profile_grid(min(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1), PROFILE_MAX_ROWS))
 
         def forward(rows: int, query_len: int) -> None:
-            md, positions = AttentionMetadata.dummy(rows, query_len, self.block_size, self.device)
+            context = profile_context(sc.max_model_len, self.num_blocks * self.block_size, query_len)
+            md, positions = AttentionMetadata.dummy(rows, query_len, self.block_size, self.device, context=context)
             hidden, _ = self.model(torch.zeros(rows, dtype=torch.int64, device=self.device), positions, self.kv_caches, md)
             self.model.compute_logits(hidden, "profile").argmax(dim=-1)
 
