@@ -1,0 +1,133 @@
+"""Where a speculative step's time goes: per engine step on rank 0 (TP 1), the target's forward
+(with the hidden-state capture a drafter reads), its LM head, verification, the drafter
+(``_propose``: context writes, drafting pass and the LM head it borrows) and the rest (sampling,
+host work), as medians over the steps of each number of verified drafts; beside plain decoding
+of the same prompts.
+
+c HumanEval prompts (from index ``--first-prompt``) start together, greedy, ``--max-tokens``
+each; only steps in which all c requests decode (no prefill, none finished yet) count.
+
+  python3 benchmarks/profile_spec_step.py --concurrency 1 8 --result-file benchmarks/results/profile_spec_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+from machine import machine_info
+
+PHASES = ("forward", "logits", "verify", "propose")  # "logits": the target's LM head outside the drafter
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--speculative-config", default='{"method": "dflash", "num_speculative_tokens": 15}')
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--first-prompt", type=int, default=64)
+    p.add_argument("--result-file", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "spec|c": one run, in this process
+    return p.parse_args(argv)
+
+
+def worker(args) -> None:
+    from tpspec.bench.datasets import humaneval_prompts
+    from tpspec.engine.llm_engine import LLMEngine
+    from tpspec.sampling_params import SamplingParams
+
+    spec_json, c = args.worker.rsplit("|", 1)
+    spec, c = json.loads(spec_json), int(c)
+    prompts = humaneval_prompts(args.first_prompt + c)[args.first_prompt :]
+    engine = LLMEngine.from_args(speculative_config=spec, max_num_seqs=max(64, c))
+    runner = engine.executor.runner  # TP 1: the runner lives in this process
+    current: dict[str, float] = {}
+
+    def timed(obj, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            if phase == "logits" and "in_propose" in current:  # the drafter's: counted in "propose"
+                return fn(*a, **kw)
+            if phase == "propose":
+                current["in_propose"] = 1.0
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            current[phase] = current.get(phase, 0.0) + time.perf_counter() - t0
+            current.pop("in_propose", None)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    timed(runner.model, "forward", "forward")
+    timed(runner.model, "compute_logits", "logits")
+    timed(runner, "_verify", "verify")
+    timed(runner, "_propose", "propose")
+    by_verified: dict[int, list[dict]] = defaultdict(list)
+    execute = runner.execute
+
+    def execute_timed(step):
+        current.clear()
+        t0 = time.perf_counter()
+        out = execute(step)
+        current["total"] = time.perf_counter() - t0
+        if len(step.seqs) == c and all(s.num_new_tokens == 1 for s in step.seqs):
+            by_verified[sum(s.num_spec for s in step.seqs)].append(dict(current))
+        return out
+
+    runner.execute = execute_timed
+    try:
+        engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        while engine.has_unfinished_requests():
+            engine.step()
+        by_verified.clear()
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.shutdown()
+    rows = []
+    for verified, steps in sorted(by_verified.items()):
+        med = {k: 1000 * statistics.median(s.get(k, 0.0) for s in steps) for k in (*PHASES, "total")}
+        med["other"] = med["total"] - sum(med[k] for k in PHASES)
+        rows.append({"verified_drafts": verified, "steps": len(steps), "ms": med})
+    print("RESULT " + json.dumps({"speculative_config": spec, "concurrency": c, "rows": rows}), flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(args)
+        return 0
+    results = []
+    for c in args.concurrency:
+        for spec in ("null", args.speculative_config):
+            cmd = [sys.executable, __file__, "--worker", f"{spec}|{c}", "--max-tokens", str(args.max_tokens),
+                   "--first-prompt", str(args.first_prompt)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(out.stderr[-4000:])
+            results += [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    print("| Config | c | Verified drafts | Steps | Forward | LM head | Verify | Drafter | Other | Total (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        name = "plain" if r["speculative_config"] is None else r["speculative_config"]["method"]
+        for row in r["rows"]:
+            m = row["ms"]
+            print(f"| {name} | {r['concurrency']} | {row['verified_drafts']} | {row['steps']} | {m['forward']:.1f} "
+                  f"| {m['logits']:.1f} | {m['verify']:.1f} | {m['propose']:.1f} | {m['other']:.1f} | {m['total']:.1f} |")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({"machine": machine_info(), "max_tokens": args.max_tokens, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
