@@ -12,7 +12,7 @@ import pytest
 
 from tpspec.config import SpeculativeConfig
 from tpspec.spec_decode.acceptance import AcceptanceModel
-from tpspec.spec_decode.controller import PROBE_INTERVAL, PlanRequest, SpeculationLengthController
+from tpspec.spec_decode.controller import PROBE_BUDGET, PROBE_INTERVAL, PlanRequest, SpeculationLengthController
 from tpspec.spec_decode.step_time import PiecewiseLinear, StepTimeModel, draft_passes, profile_grid
 
 GRID = profile_grid(64)
@@ -125,7 +125,7 @@ def test_fixed_and_static_schedules():
 
 
 def test_requests_held_at_zero_are_probed_together():
-    c = controller("dflash", 4, model("dflash", lambda r: 1.0 + 0.5 * r, lambda r: 0.3))
+    c = controller("dflash", 4, model("dflash", lambda r: 1.0, lambda r: 0.3))  # a verified row costs nothing
     set_rates(c, "r0", [0.1] * 4)
     held_none = [PlanRequest("r0", True, 0, 0, 4), PlanRequest("r1", True, 0, 0, 4)]
     proposed = [c.plan(held_none, 2).num_propose for _ in range(PROBE_INTERVAL)]
@@ -137,6 +137,29 @@ def test_requests_held_at_zero_are_probed_together():
     late = PlanRequest("r2", True, 0, 0, 4)
     proposed = [c.plan([late], 1).num_propose[0] for _ in range(2 * PROBE_INTERVAL)]
     assert proposed.count(1) == 1 and proposed.index(1) >= PROBE_INTERVAL - 1
+
+
+def test_probes_within_budget_longest_idle_first():
+    """Where every probed row costs, a probe step probes only as many requests as PROBE_BUDGET of
+    the interval's time pays for (at least one), those idle longest first, so each is probed in turn."""
+    n, per_row, pass_s = 32, 0.1, 0.3
+    c = controller("dflash", 4, model("dflash", lambda r: 1.0 + per_row * r, lambda r: pass_s))
+    set_rates(c, "r0", [0.05] * 4)
+    plain = 1.0 + per_row * n
+    cost = lambda m: per_row * m + pass_s  # noqa: E731  m more rows verified, one pass
+    budget = max(PROBE_BUDGET * PROBE_INTERVAL * plain, cost(1))
+    expected = max(m for m in range(1, n + 1) if cost(m) <= budget)
+    assert 1 < expected < n
+    reqs = [PlanRequest(f"r{i}", True, 0, 0, 4) for i in range(n)]
+    probed: list[list[int]] = []
+    for _ in range(PROBE_INTERVAL * (n // expected + 1)):
+        proposed = c.plan(reqs, n).num_propose
+        if any(proposed):
+            probed.append([i for i, k in enumerate(proposed) if k])
+    assert all(len(p) == expected for p in probed)
+    assert probed[0] == list(range(expected))  # all equally idle: in the step's order
+    assert probed[1] == list(range(expected, 2 * expected))  # then the ones left waiting
+    assert {i for p in probed for i in p} == set(range(n))
 
 
 def test_acceptance_estimates_converge_and_shrink_to_the_engine():

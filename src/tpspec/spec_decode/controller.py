@@ -11,8 +11,10 @@ verified next step. Draft j of request i adds Π_{m ≤ j} α_im tokens, which f
 given total of D drafts the best split gives them out one at a time to the largest next gain;
 the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
 (D = 0, no speculation, when no draft pays). So that the rates of requests held at k = 0 keep
-being measured, every ``PROBE_INTERVAL``-th step each of them that has drafted nothing for that
-long proposes one draft (a probe): all probes share one step, and so one drafting pass.
+being measured, every ``PROBE_INTERVAL``-th step requests that have drafted nothing for that
+long propose one draft each (a probe): all probes share one step, and so one drafting pass, and
+as many of them (the longest idle first, at least one) as cost at most ``PROBE_BUDGET`` of the
+time until the next probe step, or what a single probe costs if that is more.
 
 With ``adaptive: false`` every request proposes ``num_speculative_tokens``; with
 ``num_speculative_tokens_per_batch_size`` the schedule's k for the step's batch size.
@@ -29,9 +31,10 @@ import numpy as np
 
 from tpspec.config import SpeculativeConfig
 from tpspec.spec_decode.acceptance import AcceptanceModel
-from tpspec.spec_decode.step_time import StepTimeModel
+from tpspec.spec_decode.step_time import DEFERRED_FEED_METHODS, StepTimeModel, draft_passes
 
 PROBE_INTERVAL = 16  # steps between probe steps, and without drafts before a request is probed
+PROBE_BUDGET = 0.01  # the probes' share of the steps between two probe steps, by the step-time model
 MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
 
 
@@ -82,8 +85,10 @@ class SpeculationLengthController:
             ks = [k if r.samples else 0 for r in reqs]
         verify, propose = [], []
         self._num_plans += 1
-        probe_step = self._num_plans % PROBE_INTERVAL == 0
-        for r, k in zip(reqs, ks):
+        probes = set()
+        if self.spec.adaptive and self._num_plans % PROBE_INTERVAL == 0:
+            probes = self._choose_probes(reqs, ks, real_rows)
+        for i, (r, k) in enumerate(zip(reqs, ks)):
             if not r.samples:
                 verify.append(0)
                 propose.append(0)
@@ -94,7 +99,7 @@ class SpeculationLengthController:
             propose.append(min(k, r.max_propose))
             if self.spec.adaptive:
                 idle = self._steps_without_drafts.get(r.req_id, 0) + 1 if propose[-1] == 0 else 0
-                if probe_step and idle >= PROBE_INTERVAL and r.max_propose > 0:
+                if i in probes:
                     propose[-1], idle = 1, 0
                     self._probing.add(r.req_id)
                 self._steps_without_drafts[r.req_id] = idle
@@ -150,6 +155,29 @@ class SpeculationLengthController:
         for i in order[:best_drafts]:
             ks[i] += 1
         return ks
+
+    def _choose_probes(self, reqs: list[PlanRequest], ks: list[int], real_rows: int) -> set[int]:
+        """Indices of the requests that probe this step (see the module's docstring)."""
+        idle = {
+            i: self._steps_without_drafts.get(r.req_id, 0) + 1
+            for i, (r, k) in enumerate(zip(reqs, ks)) if r.samples and k == 0 and r.max_propose > 0
+        }
+        candidates = sorted((i for i, n in idle.items() if n >= PROBE_INTERVAL), key=lambda i: -idle[i])
+        if not candidates:
+            return set()
+        model = self.step_time
+        plain = model.forward_curve(real_rows == len(reqs))(real_rows)
+
+        def cost(m: int) -> float:  # m probes: the drafting pass now, m more rows verified next step
+            passes = sum(model.draft(rows) for rows in draft_passes(self.method, [1] * m))
+            backlog = model.feed(m * PROBE_INTERVAL) if self.method in DEFERRED_FEED_METHODS else 0.0
+            return model.target(real_rows + m) - plain + passes + backlog
+
+        budget = max(PROBE_BUDGET * PROBE_INTERVAL * (plain + model.overhead), cost(1))
+        chosen = 1
+        while chosen < len(candidates) and cost(chosen + 1) <= budget:
+            chosen += 1
+        return set(candidates[:chosen])
 
     # ---- learning -----------------------------------------------------------------------------
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
