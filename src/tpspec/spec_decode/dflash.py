@@ -109,8 +109,9 @@ class DFlashSpeculator(DraftModelSpeculator):
                 features = torch.cat([backlog.features, features])
                 pos, slots = backlog.positions + pos, backlog.slots + slots
             if inp.num_drafts[i] == 0 and len(pos) <= MAX_DEFERRED_TOKENS:
-                # A copy: a view would keep the whole step's captured hidden states alive.
-                deferred[i] = DeferredContext(features.clone(), pos, slots) if pos else None
+                # Kept as a copy (torch.cat made one): a view would keep the step's captured hidden states alive.
+                kept = features if backlog is not None else features.clone()
+                deferred[i] = DeferredContext(kept, pos, slots) if pos else None
                 continue
             ctx_features.append(features)
             ctx_pos += pos

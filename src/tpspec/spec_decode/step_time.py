@@ -14,9 +14,10 @@
 * ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
 
 Each curve is piecewise linear on a grid of row counts, measured by a short profile at start-up
-(``ModelRunner.profile_step_time``, sequences with ``PROFILE_CONTEXT`` earlier tokens) and corrected online from every step's measured phase times
-by normalized least mean squares: the error of a step's prediction is spread over the grid
-points the prediction used, in proportion to their weight in it.
+(``ModelRunner.profile_step_time``, over sequences with ``PROFILE_CONTEXT`` earlier tokens) and
+corrected online from every step's measured phase times by normalized least mean squares: the
+error of a step's prediction is spread over the grid points the prediction used, in proportion
+to their weight in it.
 """
 
 from __future__ import annotations
