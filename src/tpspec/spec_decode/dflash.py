@@ -38,7 +38,7 @@ MAX_DEFERRED_TOKENS = 256
 class DeferredContext:
     """Kept tokens of one sequence whose context K/V the drafter has not written yet."""
 
-    features: torch.Tensor  # [n, len(capture_layers) · hidden_size] their target features
+    features: list[torch.Tensor]  # per step deferred: [n_step, len(capture_layers) · hidden_size] target features
     positions: list[int]  # [n]
     slots: list[int]  # [n] KV cache slots (the request's block table when they were kept)
 
@@ -105,15 +105,16 @@ class DFlashSpeculator(DraftModelSpeculator):
             pos = list(range(inp.start_pos[i], inp.start_pos[i] + n))
             slots = slots_of(pos, inp.block_tables[i], bs)
             backlog = inp.deferred[i] if inp.deferred is not None else None
-            if backlog is not None:
-                features = torch.cat([backlog.features, features])
-                pos, slots = backlog.positions + pos, backlog.slots + slots
+            chunks = [features]
+            if backlog is not None:  # extended in place: a step adds its rows, nothing is copied again
+                backlog.positions += pos
+                backlog.slots += slots
+                chunks, pos, slots = backlog.features + chunks, backlog.positions, backlog.slots
             if inp.num_drafts[i] == 0 and len(pos) <= MAX_DEFERRED_TOKENS:
-                # Kept as a copy (torch.cat made one): a view would keep the step's captured hidden states alive.
-                kept = features if backlog is not None else features.clone()
-                deferred[i] = DeferredContext(kept, pos, slots) if pos else None
+                chunks[-1] = features.clone()  # a view would keep the step's captured hidden states alive
+                deferred[i] = DeferredContext(chunks, pos, slots) if pos else None
                 continue
-            ctx_features.append(features)
+            ctx_features += chunks
             ctx_pos += pos
             ctx_slots += slots
         with self._tp_context():
