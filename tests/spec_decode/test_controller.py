@@ -22,8 +22,10 @@ def curve(fn) -> PiecewiseLinear:
     return PiecewiseLinear(GRID, [fn(x) for x in GRID])
 
 
-def model(method: str, target, draft, feed=lambda r: 0.0, decode=None) -> StepTimeModel:
-    return StepTimeModel(method, curve(decode or target), curve(target), curve(feed), curve(draft))
+def model(method: str, rows, draft, feed=lambda r: 0.0, seqs=lambda s: 0.0, verify_jump: float = 0.0) -> StepTimeModel:
+    m = StepTimeModel(method, curve(rows), curve(seqs), curve(feed), curve(draft))
+    m.verify_jump = PiecewiseLinear([1], [verify_jump])
+    return m
 
 
 def controller(method: str, k: int, step_time: StepTimeModel | None, **spec) -> SpeculationLengthController:
@@ -43,7 +45,7 @@ def set_rates(c: SpeculationLengthController, req_id: str, rates: list[float], n
 def expected_rate(c: SpeculationLengthController, reqs: list[PlanRequest], ks: list[int], real_rows: int) -> float:
     rates = c.acceptance.engine_rates()
     tokens = sum(1 + float(np.sum(c.acceptance.marginal_gains(r.req_id, rates)[:k])) for r, k in zip(reqs, ks))
-    return tokens / c.step_time.predict(real_rows + sum(ks), real_rows, ks, decode_only=sum(ks) == 0)
+    return tokens / c.step_time.predict(real_rows + sum(ks), len(reqs), real_rows, ks, decode_only=sum(ks) == 0)
 
 
 def req(i: int, k: int = 8) -> PlanRequest:
@@ -79,15 +81,15 @@ def test_no_speculation_when_no_k_pays():
 
 def test_giving_up_the_decode_path_must_pay():
     """Decodes alone run a cheaper forward than any step with drafts: the first draft pays that jump."""
-    c = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.01 * r, lambda r: 0.0, decode=lambda r: 0.6 + 0.01 * r))
+    c = controller("ngram", 4, model("ngram", lambda r: 0.6 + 0.01 * r, lambda r: 0.0, verify_jump=0.4))
     reqs = [req(i, 4) for i in range(8)]
     for i in range(8):
         set_rates(c, f"r{i}", [0.3] * 4, n=300)
-    assert c.plan(reqs, 8).num_propose == [0] * 8  # on the target curve alone, drafting would pay
-    c2 = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.01 * r, lambda r: 0.0))
+    assert c.plan(reqs, 8).num_verify == [0] * 8  # without the jump, drafting would pay
+    c2 = controller("ngram", 4, model("ngram", lambda r: 0.6 + 0.01 * r, lambda r: 0.0))
     for i in range(8):
         set_rates(c2, f"r{i}", [0.3] * 4, n=300)
-    assert sum(c2.plan(reqs, 8).num_propose) > 0
+    assert sum(c2.plan(reqs, 8).num_verify) > 0
 
 
 def test_more_requests_fewer_drafts():
@@ -109,6 +111,28 @@ def test_caps_held_drafts_and_partial_prefills():
     plan = c.plan(reqs, 20)
     assert plan.num_verify == [1, 0] and plan.num_propose[1] == 0 and plan.num_propose[0] > 2
     assert plan.target_rows == 21
+
+
+def test_ngram_proposes_the_most_and_verifies_what_it_holds():
+    """n-gram drafts cost nothing to propose: adaptive, every request proposes all it may, and the
+    controller spends verification rows only on drafts that exist, so a request whose lookup
+    found nothing takes no share of them; held at k = 0, it is probed by verifying one held draft."""
+    c = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.1 * r, lambda r: 0.0))
+    for i in range(3):
+        set_rates(c, f"r{i}", [0.5] * 4, n=300)
+    reqs = [PlanRequest("r0", True, 0, 4, 4), PlanRequest("r1", True, 4, 4, 3), PlanRequest("r2", True, 2, 4, 4)]
+    plan = c.plan(reqs, 3)
+    assert plan.num_propose == [4, 3, 4]
+    assert plan.num_verify[0] == 0 and plan.num_verify[1] > 0 and 0 < plan.num_verify[2] <= 2
+    assert plan.target_rows == 3 + sum(plan.num_verify)
+    assert expected_rate(c, reqs, plan.num_verify, 3) == pytest.approx(max(
+        expected_rate(c, reqs, [0, a, b], 3) for a in range(5) for b in range(3)), rel=1e-9)
+    # Poor drafts: nothing verified, and every PROBE_INTERVAL steps one held draft is.
+    set_rates(c, "r1", [0.01] * 4, n=300)
+    held = [PlanRequest("r1", True, 4, 4, 4)]
+    verified = [c.plan(held, 1).num_verify[0] for _ in range(2 * PROBE_INTERVAL)]
+    assert sorted(set(verified)) == [0, 1] and 1 <= verified.count(1) <= 2
+    assert c.as_dict()["num_speculative_tokens_histogram"][1] >= 1  # chosen k: drafts verified
 
 
 def test_fixed_and_static_schedules():
@@ -184,17 +208,42 @@ def test_acceptance_estimates_converge_and_shrink_to_the_engine():
     np.testing.assert_allclose(m.request_rates("b"), m.engine_rates())
 
 
+def test_attention_over_contexts_is_paid_with_or_without_drafts():
+    """A profile whose decodes of many sequences cost far more than the same rows in few long
+    sequences (attention over each context): that cost is the sequences', paid whatever k is, so
+    with expensive rows and poor drafts a crowded step does not speculate; a model that folded it
+    into the decode step's curve alone would see drafts as nearly free."""
+    k = 4
+    profile = {"rows_grid": GRID, "rows_s": [1.0 + 0.04 * r for r in GRID], "feed_s": [0.0] * len(GRID),
+               "draft_pass_s": [0.0] * len(GRID), "seqs_grid": GRID, "decode_s": [1.0 + 0.04 * s + 0.05 * s for s in GRID]}
+    stm = StepTimeModel.from_profile("ngram", profile)
+    assert stm.predict(32, 32, 32, [], decode_only=True) == pytest.approx(1.0 + 0.09 * 32)
+    assert stm.predict(40, 32, 32, [1] * 8) == pytest.approx(1.0 + 0.04 * 40 + 0.05 * 32)
+    c = controller("ngram", k, stm)
+    reqs = [req(i, k) for i in range(32)]
+    for i in range(32):
+        set_rates(c, f"r{i}", [0.2] * k, n=300)
+    assert c.plan(reqs, 32).num_verify == [0] * 32  # a draft adds ~0.2 tokens for 0.04 s; a token costs 0.12 s
+    set_rates(c, "r0", [0.95] * k, n=300)
+    assert c.plan(reqs, 32).num_verify[0] == k  # one request with good drafts still speculates
+
+
 def test_step_time_model_learns_the_measured_curve():
-    truth = lambda r: 0.5 + 0.03 * r  # noqa: E731
+    def truth(rows: int, seqs: int, decode_only: bool) -> float:
+        return 0.3 + 0.02 * rows + 0.01 * seqs + (0.0 if decode_only else 0.1)
+
     stm = model("ngram", lambda r: 0.2 + 0.01 * r, lambda r: 0.0)
     rng = np.random.default_rng(2)
-    for _ in range(2000):
-        rows = int(rng.integers(1, 100))
-        stm.observe(rows, rows, [], truth(rows), 0.0, truth(rows) + 0.004)
-        stm.observe(rows, rows, [], truth(rows) / 2, 0.0, truth(rows) / 2 + 0.004, decode_only=True)
-    for rows in (1, 10, 50, 90):
-        assert stm.predict(rows, rows, []) == pytest.approx(truth(rows) + 0.004, rel=0.05)
-        assert stm.predict(rows, rows, [], decode_only=True) == pytest.approx(truth(rows) / 2 + 0.004, rel=0.05)
+    for _ in range(3000):
+        seqs = int(rng.integers(1, 64))
+        rows = seqs + int(rng.integers(0, 64))
+        for r, decode_only in ((rows, False), (seqs, True)):
+            t = truth(r, seqs, decode_only)
+            stm.observe(r, seqs, r, [], t, 0.0, t + 0.004, decode_only=decode_only)
+    for seqs, rows in ((1, 1), (1, 16), (8, 40), (32, 32), (32, 90), (60, 100)):
+        for decode_only in (False, True) if rows == seqs else (False,):
+            expected = truth(rows, seqs, decode_only) + 0.004
+            assert stm.predict(rows, seqs, rows, [], decode_only=decode_only) == pytest.approx(expected, rel=0.05)
     assert stm.overhead == pytest.approx(0.004, rel=0.05)
 
 

@@ -29,7 +29,7 @@ from tpspec.sampling_params import SamplingParams
 from tpspec.spec_decode.controller import PlanRequest, SpeculationLengthController
 from tpspec.spec_decode.metrics import SpecDecodeStats
 from tpspec.spec_decode.resolve import resolve_drafter
-from tpspec.spec_decode.step_time import PiecewiseLinear, StepTimeModel
+from tpspec.spec_decode.step_time import StepTimeModel
 from tpspec.tokenizer import Tokenizer
 from tpspec.worker.step import StepOutput
 
@@ -97,10 +97,7 @@ class LLMEngine:
 
     def _profile_step_time(self) -> StepTimeModel:
         """The adaptive controller's cost curves, measured on every rank at start-up."""
-        p = self.executor.call("profile_step_time")
-        grid = p["grid"]
-        curves = [PiecewiseLinear(grid, p[key]) for key in ("decode_s", "target_s", "feed_s", "draft_pass_s")]
-        return StepTimeModel(self.config.speculative.method, *curves)
+        return StepTimeModel.from_profile(self.config.speculative.method, self.executor.call("profile_step_time"))
 
     @classmethod
     def from_args(

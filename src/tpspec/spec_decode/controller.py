@@ -16,6 +16,11 @@ long propose one draft each (a probe): all probes share one step, and so one dra
 as many of them (the longest idle first, at least one) as cost at most ``PROBE_BUDGET`` of the
 time until the next probe step, or what a single probe costs if that is more.
 
+n-gram drafts cost no drafter work (``FREE_PROPOSAL_METHODS``), so there is no steady state to
+plan for: adaptive, every request proposes all the drafts it may, and each step the controller
+chooses how many of the drafts each request holds to verify (a lookup that found nothing takes
+no share of the step's rows; a probe verifies one held draft).
+
 With ``adaptive: false`` every request proposes ``num_speculative_tokens``; with
 ``num_speculative_tokens_per_batch_size`` the schedule's k for the step's batch size.
 Either way a request verifies at most the drafts the ranks hold for it and what its token
@@ -36,6 +41,7 @@ from tpspec.spec_decode.step_time import DEFERRED_FEED_METHODS, StepTimeModel, d
 PROBE_INTERVAL = 16  # steps between probe steps, and without drafts before a request is probed
 PROBE_BUDGET = 0.01  # the probes' share of the steps between two probe steps, by the step-time model
 MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
+FREE_PROPOSAL_METHODS = ("ngram",)  # proposing costs no drafter work (a lookup in the tokens)
 
 
 @dataclass
@@ -54,7 +60,7 @@ class Plan:
     num_verify: list[int]  # per request: drafts verified this step
     num_propose: list[int]  # per request: drafts proposed for the next step (0: the drafter is only fed)
     target_rows: int  # rows of the target's forward
-    decode_only: bool  # every request feeds one token and verifies none (step_time: the decode curve)
+    decode_only: bool  # every request feeds one token and verifies none (step_time: no verify jump)
     predicted_s: float | None  # the step-time model's prediction (adaptive only)
 
 
@@ -70,7 +76,11 @@ class SpeculationLengthController:
         self._steps_without_drafts: dict[str, int] = {}
         self._probing: set[str] = set()
         self._num_plans = 0
-        self.k_histogram = [0] * (self.max_k + 1)  # chosen k (drafts proposed), per sampling request-step
+        # Adaptive n-gram drafts cost nothing to propose: every request proposes the most it may,
+        # and the controller chooses how many of the drafts it holds to verify.
+        self.free_proposals = spec.adaptive and spec.method in FREE_PROPOSAL_METHODS
+        # chosen k per sampling request-step: drafts proposed (with free proposals: verified)
+        self.k_histogram = [0] * (self.max_k + 1)
         self.num_timed_steps = 0
         self.predicted_s_total = 0.0
         self.measured_s_total = 0.0
@@ -93,23 +103,30 @@ class SpeculationLengthController:
                 verify.append(0)
                 propose.append(0)
                 continue
-            wanted = r.num_held if r.req_id in self._probing else k
-            self._probing.discard(r.req_id)
-            verify.append(max(0, min(wanted, r.num_held, r.max_verify)))
-            propose.append(min(k, r.max_propose))
-            if self.spec.adaptive:
-                idle = self._steps_without_drafts.get(r.req_id, 0) + 1 if propose[-1] == 0 else 0
+            if self.free_proposals:  # k: drafts verified now, of those held; always propose the most
+                wanted = 1 if i in probes else k
+                verify.append(min(wanted, r.num_held, r.max_verify))
+                propose.append(r.max_propose)
+                chosen = verify[-1]
+            else:
+                wanted = r.num_held if r.req_id in self._probing else k
+                self._probing.discard(r.req_id)
+                verify.append(max(0, min(wanted, r.num_held, r.max_verify)))
+                propose.append(min(k, r.max_propose))
                 if i in probes:
-                    propose[-1], idle = 1, 0
+                    propose[-1] = 1
                     self._probing.add(r.req_id)
+                chosen = propose[-1]
+            if self.spec.adaptive:
+                idle = self._steps_without_drafts.get(r.req_id, 0) + 1 if chosen == 0 else 0
                 self._steps_without_drafts[r.req_id] = idle
-            self.k_histogram[propose[-1]] += 1
+            self.k_histogram[chosen] += 1
         target_rows = real_rows + sum(verify)
         decode_only = real_rows == len(reqs) and target_rows == real_rows
         predicted = None
         if self.step_time is not None:
             ks_sampling = [p for p, r in zip(propose, reqs) if r.samples]
-            predicted = self.step_time.predict(target_rows, real_rows, ks_sampling, decode_only)
+            predicted = self.step_time.predict(target_rows, len(reqs), real_rows, ks_sampling, decode_only)
         return Plan(verify, propose, target_rows, decode_only, predicted)
 
     def _adaptive_ks(self, reqs: list[PlanRequest], real_rows: int) -> list[int]:
@@ -119,8 +136,11 @@ class SpeculationLengthController:
         gains = {}
         heap: list[tuple[float, int]] = []
         for i, r in enumerate(reqs):
-            # Near its end a request may verify one draft more than it may propose.
-            cap = max(r.max_propose, min(r.num_held, r.max_verify))
+            if self.free_proposals:  # the drafts held now are what this step verifies
+                cap = min(r.num_held, r.max_verify)
+            else:  # steady state: k proposed now, verified next step (near its end a request may
+                # verify one draft more than it may propose)
+                cap = max(r.max_propose, min(r.num_held, r.max_verify))
             if r.samples and cap > 0:
                 gains[i] = self.acceptance.marginal_gains(r.req_id, rates)[:cap]
                 heapq.heappush(heap, (-float(gains[i][0]), i))
@@ -128,13 +148,13 @@ class SpeculationLengthController:
         if not heap or base_tokens == 0:
             return ks
         most = sum(len(g) for g in gains.values())
-        target = model.target.at(np.arange(real_rows, real_rows + most + 1)).tolist()  # by drafts verified
+        # The target's forward by drafts verified: without any, a step of decodes alone saves the
+        # verify jump; one draft gives it up (and makes a deferring drafter feed).
+        forward = model.forward_by_drafts(real_rows, len(reqs), most).tolist()
         cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
         fixed = model.feed(real_rows) + model.overhead
         tokens, drafts = float(base_tokens), 0
-        # Without drafts a step of decodes alone runs the decode curve; one draft moves it to the
-        # target's (and makes a deferring drafter feed).
-        plain = model.forward_curve(real_rows == len(reqs))(real_rows) + model.feed(model.fed_rows(real_rows, False))
+        plain = forward[0] + model.feed(model.fed_rows(real_rows, False))
         best_rate, best_drafts = tokens / (plain + model.overhead), 0
         order = []
         while heap:
@@ -146,7 +166,7 @@ class SpeculationLengthController:
             drafts += 1
             cost.add(ks[i])
             ks[i] += 1
-            rate = tokens / (target[drafts] + fixed + cost.seconds)
+            rate = tokens / (forward[drafts] + fixed + cost.seconds)
             if rate > best_rate:
                 best_rate, best_drafts = rate, drafts
             if ks[i] < len(gains[i]):
@@ -158,20 +178,21 @@ class SpeculationLengthController:
 
     def _choose_probes(self, reqs: list[PlanRequest], ks: list[int], real_rows: int) -> set[int]:
         """Indices of the requests that probe this step (see the module's docstring)."""
+        room = (lambda r: min(r.num_held, r.max_verify)) if self.free_proposals else (lambda r: r.max_propose)
         idle = {
             i: self._steps_without_drafts.get(r.req_id, 0) + 1
-            for i, (r, k) in enumerate(zip(reqs, ks)) if r.samples and k == 0 and r.max_propose > 0
+            for i, (r, k) in enumerate(zip(reqs, ks)) if r.samples and k == 0 and room(r) > 0
         }
         candidates = sorted((i for i, n in idle.items() if n >= PROBE_INTERVAL), key=lambda i: -idle[i])
         if not candidates:
             return set()
-        model = self.step_time
-        plain = model.forward_curve(real_rows == len(reqs))(real_rows)
+        model, seqs = self.step_time, len(reqs)
+        plain = model.forward(real_rows, seqs, real_rows == seqs)
 
         def cost(m: int) -> float:  # m probes: the drafting pass now, m more rows verified next step
-            passes = sum(model.draft(rows) for rows in draft_passes(self.method, [1] * m))
+            passes = sum(model.draft(rows) for rows in draft_passes(self.method, [1] * m))  # none for n-gram
             backlog = model.feed(m * PROBE_INTERVAL) if self.method in DEFERRED_FEED_METHODS else 0.0
-            return model.target(real_rows + m) - plain + passes + backlog
+            return model.forward(real_rows + m, seqs, False) - plain + passes + backlog
 
         budget = max(PROBE_BUDGET * PROBE_INTERVAL * (plain + model.overhead), cost(1))
         chosen = 1
@@ -195,7 +216,7 @@ class SpeculationLengthController:
         self.predicted_s_total += plan.predicted_s or 0.0
         ks = [p for p, r in zip(plan.num_propose, reqs) if r.samples]
         self.step_time.observe(
-            plan.target_rows, real_rows + sum(num_accepted), ks, target_s, drafter_s, step_s, plan.decode_only
+            plan.target_rows, len(reqs), real_rows + sum(num_accepted), ks, target_s, drafter_s, step_s, plan.decode_only
         )
 
     def forget(self, req_id: str) -> None:

@@ -1,11 +1,17 @@
 """How long an engine step takes, as a function of its rows: the speculation-length controller's cost.
 
-    step(k) = target(target rows) + feed(feed rows) + Σ_passes draft(pass rows) + overhead
+    step = forward(rows, seqs) + feed(feed rows) + Σ_passes draft(pass rows) + overhead
+    forward(rows, seqs) = rows(rows) + seqs(seqs) + verify_jump · [the step verifies drafts]
 
-* ``target(r)``: the target's forward, LM head and verification over r rows (every fed token, the
-  drafts being verified included); a step in which every request feeds exactly one token and
-  verifies nothing runs ``decode(r)`` instead: its attention takes the one-query path, which a
-  single draft anywhere in the step gives up (on CPU a jump that the controller must see);
+* ``rows(r)``: the target's forward, LM head and verification over r rows (every fed token, the
+  drafts being verified included), as measured on sequences of k + 1 tokens: the weights' share
+  of a step, which grows with every verified draft;
+* ``seqs(s)``: what s sequences add beyond that, reading their contexts in attention (the
+  profile's decodes of s sequences less ``rows(s)``). A step's sequences do not depend on k, but
+  leaving this term out, or folding it into a curve of rows, charges a step of decodes for
+  attention that a step with drafts seems not to pay (and so over-speculates);
+* ``verify_jump``: what a step of decodes alone saves (one query per sequence, no verification),
+  which a single draft anywhere in the step gives up; learned online;
 * ``feed(r)``: the drafter's work that does not depend on k, for r kept tokens (DFlash writes their
   context K/V, EAGLE-3 refeeds them, a draft model runs them); DFlash defers it while no request
   proposes (``DEFERRED_FEED_METHODS``), so such a step has no feed;
@@ -13,11 +19,11 @@
   a choice of k per request makes depends on the method (``draft_passes``);
 * ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
 
-Each curve is piecewise linear on a grid of row counts, measured by a short profile at start-up
-(``ModelRunner.profile_step_time``, over sequences with ``PROFILE_CONTEXT`` earlier tokens) and
-corrected online from every step's measured phase times by normalized least mean squares: the
-error of a step's prediction is spread over the grid points the prediction used, in proportion
-to their weight in it.
+Each curve is piecewise linear on a grid of row (or sequence) counts, measured by a short profile
+at start-up (``ModelRunner.profile_step_time``, over sequences with ``PROFILE_CONTEXT`` earlier
+tokens) and corrected online from every step's measured phase times by normalized least mean
+squares: the error of a step's prediction is spread over the grid points (and terms) the
+prediction used, in proportion to their weight in it.
 """
 
 from __future__ import annotations
@@ -40,13 +46,11 @@ def profile_context(max_model_len: int, num_slots: int, query_len: int) -> int:
 
 
 def profile_grid(max_rows: int) -> list[int]:
-    """Row counts to profile: powers of two up to ``max_rows``, and ``max_rows`` itself."""
-    grid = [1]
-    while grid[-1] * 2 < max_rows:
-        grid.append(grid[-1] * 2)
-    if grid[-1] < max_rows:
-        grid.append(max_rows)
-    return grid
+    """Row counts to profile: 1, 2, 4, 8, 16, then powers of two and the midpoints between them
+    (24, 32, 48, 64, 96, …; costs bend where kernels change, e.g. past the oneDNN layers' rows)
+    up to ``max_rows``, and ``max_rows`` itself."""
+    points = [1, 2, 4, 8] + [m << i for i in range(3, 30) for m in (2, 3)]  # …, 16, 24, 32, 48, 64, 96, …
+    return [x for x in points if x < max_rows] + [max_rows]
 
 
 def draft_passes(method: str, ks: list[int]) -> list[int]:
@@ -102,32 +106,53 @@ class PiecewiseLinear:
 
 class StepTimeModel:
     def __init__(
-        self, method: str, decode: PiecewiseLinear, target: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear
+        self, method: str, rows: PiecewiseLinear, seqs: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear
     ):
         self.method = method
-        self.decode, self.target, self.feed, self.draft = decode, target, feed, draft
+        self.rows, self.seqs, self.feed, self.draft = rows, seqs, feed, draft
+        self.verify_jump = PiecewiseLinear([1], [0.0])  # one value, read at 1: learned from steps with drafts
         self.overhead = 0.0  # seconds per step
 
-    def forward_curve(self, decode_only: bool) -> PiecewiseLinear:
-        return self.decode if decode_only else self.target
+    @classmethod
+    def from_profile(cls, method: str, p: dict) -> "StepTimeModel":
+        """The model of a start-up profile (``ModelRunner.profile_step_time``): ``rows_s``,
+        ``feed_s`` and ``draft_pass_s`` on ``rows_grid``, ``decode_s`` on ``seqs_grid``."""
+        rows = PiecewiseLinear(p["rows_grid"], p["rows_s"])
+        seqs = p["seqs_grid"]
+        extra = [d - rows(s) for s, d in zip(seqs, p["decode_s"])]  # attention over s contexts
+        return cls(method, rows, PiecewiseLinear(seqs, extra),
+                   PiecewiseLinear(p["rows_grid"], p["feed_s"]), PiecewiseLinear(p["rows_grid"], p["draft_pass_s"]))
+
+    def forward(self, rows: int, seqs: int, decode_only: bool) -> float:
+        """The target's share of a step of ``rows`` rows in ``seqs`` sequences."""
+        return self.rows(rows) + self.seqs(seqs) + (0.0 if decode_only else self.verify_jump(1))
+
+    def forward_by_drafts(self, real_rows: int, seqs: int, most: int) -> np.ndarray:
+        """[most + 1] ``forward`` of a step with 0 … ``most`` verified drafts beside its
+        ``real_rows`` fed tokens (with 0: of decodes alone if the step is only decodes)."""
+        out = self.rows.at(np.arange(real_rows, real_rows + most + 1)) + self.seqs(seqs) + self.verify_jump(1)
+        if real_rows == seqs:
+            out[0] -= self.verify_jump(1)
+        return out
 
     def fed_rows(self, feed_rows: int, proposing: bool) -> int:
         """Rows the drafter feeds in a step with ``feed_rows`` kept tokens (approximately, for a
         deferring drafter: the backlog of the requests that propose is not known here)."""
         return 0 if not proposing and self.method in DEFERRED_FEED_METHODS else feed_rows
 
-    def predict(self, target_rows: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> float:
+    def predict(self, target_rows: int, seqs: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> float:
         """Seconds of a step: the target's forward, the drafter's feed and passes, the overhead."""
         fed = self.fed_rows(feed_rows, any(k > 0 for k in ks))
         drafter = self.feed(fed) + sum(self.draft(r) for r in draft_passes(self.method, ks))
-        return self.forward_curve(decode_only)(target_rows) + drafter + self.overhead
+        return self.forward(target_rows, seqs, decode_only) + drafter + self.overhead
 
     def observe(
-        self, target_rows: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float, step_s: float,
-        decode_only: bool = False,
+        self, target_rows: int, seqs: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float,
+        step_s: float, decode_only: bool = False,
     ) -> None:
         """Correct the curves with one step's measured phase times (and its wall time)."""
-        _nlms(self.forward_curve(decode_only), [target_rows], target_s)
+        jump = [] if decode_only else [1]
+        _nlms_joint([(self.rows, [target_rows]), (self.seqs, [seqs]), (self.verify_jump, jump)], target_s)
         if self.method != "ngram":
             passes = draft_passes(self.method, ks)
             fed = self.fed_rows(feed_rows, any(k > 0 for k in ks))
@@ -137,17 +162,15 @@ class StepTimeModel:
 
     def as_dict(self) -> dict:
         return {
-            "grid": self.target.xs.astype(int).tolist(),
-            "decode_s": self.decode.values(),
-            "target_s": self.target.values(),
+            "rows_grid": self.rows.xs.astype(int).tolist(),
+            "rows_s": self.rows.values(),
+            "seqs_grid": self.seqs.xs.astype(int).tolist(),
+            "seqs_s": self.seqs.values(),
+            "verify_jump_s": self.verify_jump(1),
             "feed_s": self.feed.values(),
             "draft_pass_s": self.draft.values(),
             "overhead_s": self.overhead,
         }
-
-
-def _nlms(curve: PiecewiseLinear, xs: list[int], observed: float) -> None:
-    _nlms_joint([(curve, xs)], observed)
 
 
 def _nlms_joint(terms: list[tuple[PiecewiseLinear, list[int]]], observed: float) -> None:

@@ -56,10 +56,12 @@ COMPILE_DECODE_WARMUP = ((1, 1), (1, 2), (2, 1), (CPU_FLOAT16_MAX_ROWS + 1, 2))
 
 # The start-up step-time profile (speculation-length controller): row counts up to this many are
 # measured, larger ones extrapolated linearly (compute-bound there). Points up to
-# PROFILE_REPEAT_ROWS rows (fast, and the noisiest) are timed PROFILE_REPEATS times, the rest once.
+# PROFILE_REPEAT_ROWS rows (fast, and the noisiest) are timed PROFILE_REPEATS times, the rest
+# PROFILE_REPEATS_LARGE times (a single run of a large step was off by up to 2x).
 PROFILE_MAX_ROWS = 256
 PROFILE_REPEAT_ROWS = 16
 PROFILE_REPEATS = 3
+PROFILE_REPEATS_LARGE = 2
 
 
 def num_kv_blocks(config: EngineConfig, device: torch.device) -> int:
@@ -128,14 +130,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_step_time(self) -> dict[str, list]:
-        """Time the target's forward + LM head + argmax (as decodes, one token per sequence, and
-        as verifications of k + 1 tokens per sequence), and the drafter's feed and one drafting
-        pass, over the row counts of ``step_time.profile_grid`` (dummy inputs in the first KV
-        blocks, before any request owns one): the speculation-length controller's start-up cost
-        curves. Every rank runs the same forwards (their collectives line up); rank 0's times count."""
+        """Time the target's forward + LM head + argmax over the row counts of
+        ``step_time.profile_grid`` as verifications (sequences of k + 1 tokens) and over as many
+        sequences of one token as a step may hold (decodes), and the drafter's feed and one
+        drafting pass (dummy inputs in the first KV blocks, before any request owns one): the
+        speculation-length controller's start-up cost curves (``StepTimeModel.from_profile``).
+        Every rank runs the same forwards (their collectives line up); rank 0's times count."""
         spec, sc = self.config.speculative, self.config.scheduler
         k = spec.num_speculative_tokens
-        grid = profile_grid(min(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1), PROFILE_MAX_ROWS))
+        rows_grid = profile_grid(min(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1), PROFILE_MAX_ROWS))
+        seqs_grid = profile_grid(min(sc.max_num_batched_tokens, sc.max_num_seqs))
 
         def forward(rows: int, query_len: int) -> None:
             context = profile_context(sc.max_model_len, self.num_blocks * self.block_size, query_len)
@@ -145,25 +149,28 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         out = {
-            "grid": grid,
-            "decode_s": [self._time(lambda r: forward(r, 1), r) for r in grid],
-            "target_s": [self._time(lambda r: forward(r, k + 1), r) for r in grid],
+            "rows_grid": rows_grid,
+            "rows_s": [self._time(lambda r: forward(r, k + 1), r) for r in rows_grid],
+            "seqs_grid": seqs_grid,
+            "decode_s": [self._time(lambda r: forward(r, 1), r) for r in seqs_grid],
         }
         if self.speculator is None:  # ngram: no drafter forward
-            out["feed_s"] = out["draft_pass_s"] = [0.0] * len(grid)
+            out["feed_s"] = out["draft_pass_s"] = [0.0] * len(rows_grid)
         else:
-            out["feed_s"] = [self._time(self.speculator.dummy_feed, r) for r in grid]
-            out["draft_pass_s"] = [self._time(self.speculator.dummy_pass, r) for r in grid]
+            out["feed_s"] = [self._time(self.speculator.dummy_feed, r) for r in rows_grid]
+            out["draft_pass_s"] = [self._time(self.speculator.dummy_pass, r) for r in rows_grid]
         comm.reset_comm_stats()  # the profile's collectives are not the engine's traffic
-        logger.info("rank %d: profiled step times over %s rows in %.1f s", get_tp_rank(), grid, time.perf_counter() - t0)
+        logger.info("rank %d: profiled step times over %s rows and %s sequences in %.1f s", get_tp_rank(), rows_grid,
+                    seqs_grid, time.perf_counter() - t0)
         return out
 
     def _time(self, fn, rows: int) -> float:
-        """Seconds of ``fn(rows)``, the fastest of a few runs (the first call of ``fn`` warms it up)."""
+        """Seconds of ``fn(rows)``, the fastest of a few runs (the first call of ``fn`` warms it
+        up; the first run of a shape can pay for allocations, and this machine is noisy)."""
         if rows == 1:
             fn(rows)
         best = float("inf")
-        for _ in range(PROFILE_REPEATS if rows <= PROFILE_REPEAT_ROWS else 1):
+        for _ in range(PROFILE_REPEATS if rows <= PROFILE_REPEAT_ROWS else PROFILE_REPEATS_LARGE):
             t0 = self._now()
             fn(rows)
             best = min(best, self._now() - t0)
