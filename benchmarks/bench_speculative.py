@@ -1,23 +1,27 @@
 """Speculation length on held-out HumanEval: plain decoding, fixed k and the adaptive controller,
 per method, concurrency and TP size (default model, greedy, 128 tokens).
 
-For every configuration a fresh process runs one engine (TP ``--tp``) through each
-``--concurrency`` level in turn: at most c requests in flight (a new one starts when one ends),
+Every configuration runs in its own process, started once (one at a time, so that no start-up
+profile is measured beside another process's work) and kept alive: the coordinator then hands
+the same prompts to each configuration in turn, one segment at a time (``--segment-prompts``,
+default c prompts), in an order that alternates between segments (forward, then backward), so
+only one process works at any moment and every configuration meets the machine's slow changes
+of speed as often as the others. These machines are noisy (the same configuration varies by
+10-30 % between runs minutes apart); a ratio between two configurations measured seconds apart
+is far steadier than one between runs minutes apart.
+
+Within a segment at most c requests are in flight (a new one starts when one ends);
 ``--num-prompts`` (default: max(8, 3c)) HumanEval prompts from index ``--first-prompt`` on (the
-shipped drafter never trained on HumanEval; its trainer evaluates on the first 32), after one
-warm-up request. Figures, as ``vllm bench serve`` defines them: output throughput = output tokens
-/ wall time; TPOT per request = (finish − first token) / (output tokens − 1), the mean over
-requests; acceptance length = 1 + accepted / drafts; mean k = drafts proposed per request-step
-(``num_speculative_tokens_histogram``); mean step = wall time / engine steps. Each figure is also
-given as a ratio to plain decoding at the same concurrency in the same run, and every run's
-greedy tokens are compared with plain decoding's.
+shipped drafter never trained on HumanEval; its trainer evaluates on the first 32) per level,
+``--repeats`` times over. Figures, as ``vllm bench serve`` defines them: output throughput =
+output tokens / wall time; TPOT per request = (finish − first token) / (output tokens − 1), the
+mean over requests; acceptance length = 1 + accepted / drafts; mean k = chosen k per
+request-step (``num_speculative_tokens_histogram``); mean step = wall time / engine steps. Each
+figure is also given as a ratio to plain decoding at the same concurrency, with the median and
+range of the per-segment ratios (each segment against plain decoding's run of the same prompts,
+seconds apart); every run's greedy tokens are compared with plain decoding's.
 
-These machines are noisy (the same configuration varies by 10-30 % between runs), so
-``--repeats N`` runs every configuration N times, in rounds that alternate the order (ABBA:
-forward, then backward), and compares each run with plain decoding of its own round; the table
-gives the median over rounds and the range of each ratio.
-
-  python3 benchmarks/bench_speculative.py --tp 1 --repeats 2 --result-file benchmarks/results/speculative_tp1.json
+  python3 benchmarks/bench_speculative.py --tp 1 --result-file benchmarks/results/speculative_tp1.json
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=None, help="only these (names as printed); default all")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, 3c))")
+    p.add_argument("--segment-prompts", type=int, default=None, help="prompts per segment (default c)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--first-prompt", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="rounds over every configuration, in alternating order")
+    p.add_argument("--repeats", type=int, default=1, help="passes over each level's prompts")
     p.add_argument("--result-file", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
     return p.parse_args(argv)
@@ -86,35 +91,29 @@ def run_level(engine, prompts: list[str], concurrency: int, params) -> dict:
                 in_flight -= 1
     wall = time.perf_counter() - t0
     ids = sorted(tokens, key=lambda r: int(r.split("-")[1]))
-    tpots = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in ids if len(tokens[r]) > 1]
-    steps = engine.get_stats()["num_steps"] - steps0
     return {
         "tokens": [tokens[r] for r in ids],
-        "output_tokens": sum(len(tokens[r]) for r in ids),
+        "tpots": [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in ids if len(tokens[r]) > 1],
         "wall_s": wall,
-        "output_tok_s": sum(len(tokens[r]) for r in ids) / wall,
-        "mean_tpot_ms": 1000 * sum(tpots) / len(tpots),
-        "num_steps": steps,
-        "mean_step_ms": 1000 * wall / steps,
+        "num_steps": engine.get_stats()["num_steps"] - steps0,
     }
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def spec_delta(before: dict, after: dict) -> dict:
     if "num_drafts" not in after:
         return {}
-    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    hist = [a - b for a, b in zip(after["num_speculative_tokens_histogram"], before["num_speculative_tokens_histogram"])]
-    n = sum(hist)
-    return {
-        "acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
-        "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
-        "mean_k": sum(k * c for k, c in enumerate(hist)) / n if n else None,
-        "k_histogram": hist,
-    }
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    d["k_histogram"] = [a - b for a, b in zip(after["num_speculative_tokens_histogram"],
+                                              before["num_speculative_tokens_histogram"])]
+    return d
 
 
 def worker(args) -> None:
-    """Run one configuration through every concurrency level; print one JSON line per level."""
+    """One configuration: load it, say READY, then run each segment asked for on standard input
+    (``{"concurrency": c, "start": i, "end": j}``, prompts i … j − 1) and print its result."""
     from tpspec.bench.datasets import humaneval_prompts
     from tpspec.engine.llm_engine import LLMEngine
     from tpspec.sampling_params import SamplingParams
@@ -125,14 +124,45 @@ def worker(args) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = LLMEngine.from_args(tensor_parallel_size=args.tp, speculative_config=spec, max_num_seqs=max(64, *args.concurrency))
     try:
-        for c in args.concurrency:
-            run_level(engine, prompts[:1], 1, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        run_level(engine, prompts[:1], 1, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        print("READY", flush=True)
+        for line in sys.stdin:
+            job = json.loads(line)
             before = engine.get_stats()
-            res = run_level(engine, prompts[: num_prompts(args, c)], c, params)
-            res.update(concurrency=c, **spec_delta(before, engine.get_stats()))
+            res = run_level(engine, prompts[job["start"] : job["end"]], job["concurrency"], params)
+            res.update(spec_delta(before, engine.get_stats()))
             print("RESULT " + json.dumps(res), flush=True)
     finally:
         engine.shutdown()
+
+
+class Worker:
+    """A configuration's process, kept alive between segments."""
+
+    def __init__(self, args, name: str, spec: dict | None):
+        self.name, self.spec = name, spec
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec), "--tp", str(args.tp),
+               "--max-tokens", str(args.max_tokens), "--first-prompt", str(args.first_prompt),
+               "--concurrency", *map(str, args.concurrency)]
+        if args.num_prompts:
+            cmd += ["--num-prompts", str(args.num_prompts)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        raise SystemExit(f"{self.name} exited with {self.proc.wait()} (its log is above)")
+
+    def run(self, concurrency: int, start: int, end: int) -> dict:
+        self.proc.stdin.write(json.dumps({"concurrency": concurrency, "start": start, "end": end}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main(argv=None) -> int:
@@ -145,87 +175,104 @@ def main(argv=None) -> int:
     todo = configs(args.methods, args.ks)
     if args.configs:
         todo = {name: todo[name] for name in args.configs}
-    results = []
-    for round_ in range(args.repeats):
-        names = list(todo) if round_ % 2 == 0 else list(reversed(todo))
-        for name in names:
-            results += run_config(args, name, todo[name], round_)
-            compare_with_plain(results)
-            if args.result_file:  # after every configuration: a run cut short keeps what it measured
-                save(args, machine, results)
+    if "plain" not in todo:
+        todo = {"plain": None, **todo}
+    workers = []
+    try:
+        for name, spec in todo.items():  # one at a time: no start-up profile beside another process's work
+            logger.info("starting %s: %s", name, spec)
+            workers.append(Worker(args, name, spec))
+        segments = []  # [(segment result per config name, concurrency)]
+        for c in args.concurrency:
+            size = args.segment_prompts or c
+            n = num_prompts(args, c)
+            for _ in range(args.repeats):
+                for start in range(0, n, size):
+                    order = workers if len(segments) % 2 == 0 else workers[::-1]
+                    seg = {w.name: w.run(c, start, min(n, start + size)) for w in order}
+                    segments.append((seg, c))
+                    logger.info("c=%d, prompts %d-%d: %s", c, start, min(n, start + size) - 1, ", ".join(
+                        f"{name} {sum(map(len, r['tokens'])) / r['wall_s']:.1f}" for name, r in seg.items()))
+                if args.result_file:  # after every pass: a run cut short keeps what it measured
+                    save(args, machine, todo, summarize(segments, todo))
+    finally:
+        for w in workers:
+            w.close()
+    results = summarize(segments, todo)
+    if args.result_file:
+        save(args, machine, todo, results)
     print(format_table(results, args.tp))
     return 0
 
 
-def compare_with_plain(results: list[dict]) -> None:
-    """Each result's ratios to plain decoding at its concurrency in its round."""
-    for r in results:
-        base = next((b for b in results if b["config"] == "plain" and b["round"] == r["round"]
-                     and b["concurrency"] == r["concurrency"]), None)
-        if base is not None:
-            r["throughput_vs_plain"] = r["output_tok_s"] / base["output_tok_s"]
-            r["tpot_speedup_vs_plain"] = base["mean_tpot_ms"] / r["mean_tpot_ms"]
-            r["step_cost_vs_plain"] = r["mean_step_ms"] / base["mean_step_ms"]
-            r["greedy_equal_to_plain"] = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+def summarize(segments: list[tuple[dict, int]], todo: dict) -> list[dict]:
+    """Per configuration and concurrency: the figures over all its segments, and the ratios to
+    plain decoding overall and per segment."""
+    out = []
+    for c in dict.fromkeys(c for _, c in segments):
+        segs = [s for s, sc in segments if sc == c]
+        for name in todo:
+            runs = [s[name] for s in segs]
+            tokens = sum(sum(map(len, r["tokens"])) for r in runs)
+            wall = sum(r["wall_s"] for r in runs)
+            tpots = [t for r in runs for t in r["tpots"]]
+            steps = sum(r["num_steps"] for r in runs)
+            res = {"config": name, "speculative_config": todo[name], "concurrency": c, "num_segments": len(runs),
+                   "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+                   "mean_tpot_ms": 1000 * sum(tpots) / len(tpots), "num_steps": steps, "mean_step_ms": 1000 * wall / steps,
+                   "segment_tok_s": [sum(map(len, r["tokens"])) / r["wall_s"] for r in runs]}
+            if "num_drafts" in runs[0]:
+                d = {k: sum(r[k] for r in runs) for k in SPEC_COUNTERS}
+                hist = [sum(col) for col in zip(*(r["k_histogram"] for r in runs))]
+                res.update(
+                    acceptance_length=1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
+                    acceptance_rate=d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
+                    mean_k=sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
+                    k_histogram=hist,
+                )
+            res["greedy_equal_to_plain"] = sum(a == b for s in segs for a, b in zip(s[name]["tokens"], s["plain"]["tokens"]))
+            res["num_requests"] = sum(len(r["tokens"]) for r in runs)
+            out.append(res)
+        base = next(r for r in out if r["config"] == "plain" and r["concurrency"] == c)
+        for r in out:
+            if r["concurrency"] == c:
+                r["throughput_vs_plain"] = r["output_tok_s"] / base["output_tok_s"]
+                r["segment_throughput_vs_plain"] = [a / b for a, b in zip(r["segment_tok_s"], base["segment_tok_s"])]
+                r["tpot_speedup_vs_plain"] = base["mean_tpot_ms"] / r["mean_tpot_ms"]
+                r["step_cost_vs_plain"] = r["mean_step_ms"] / base["mean_step_ms"]
+    return out
 
 
-def save(args, machine: dict, results: list[dict]) -> None:
+def save(args, machine: dict, todo: dict, results: list[dict]) -> None:
     with open(args.result_file, "w") as f:
         json.dump({"machine": machine, "tp": args.tp, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                   "prompts": f"HumanEval from index {args.first_prompt}",
-                   "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]}, f, indent=1)
-
-
-def run_config(args, name: str, spec: dict | None, round_: int) -> list[dict]:
-    """One configuration through every concurrency level, in a fresh process."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec), "--tp", str(args.tp),
-           "--max-tokens", str(args.max_tokens), "--first-prompt", str(args.first_prompt),
-           "--concurrency", *map(str, args.concurrency)]
-    if args.num_prompts:
-        cmd += ["--num-prompts", str(args.num_prompts)]
-    logger.info("round %d, %s: %s", round_, name, spec)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
-    results = []
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            results.append({"config": name, "speculative_config": spec, "round": round_, **r})
-            logger.info("%s c=%d: %.1f tok/s, TPOT %.1f ms, acceptance %s, mean k %s", name, r["concurrency"],
-                        r["output_tok_s"], r["mean_tpot_ms"], r.get("acceptance_length"), r.get("mean_k"))
-    return results
+                   "segment_prompts": args.segment_prompts, "configs": todo,
+                   "prompts": f"HumanEval from index {args.first_prompt}", "results": results}, f, indent=1)
 
 
 def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _median_range(values: list, fmt: str) -> str:
-    """The median of ``values``, with their range when there are several."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return "-"
+def _median_range(values: list[float], fmt: str) -> str:
+    """The median of ``values`` and, in brackets, their range."""
+    values = sorted(values)
     n = len(values)
     median = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
     return format(median, fmt) + (f" ({format(values[0], fmt)}–{format(values[-1], fmt)})" if n > 1 else "")
 
 
 def format_table(results: list[dict], tp: int) -> str:
-    """One row per configuration and concurrency: medians over rounds (ranges in brackets)."""
-    lines = [f"TP {tp}", "| Config | c | Output tok/s | × plain | Mean TPOT (ms) | TPOT × plain | Mean step × plain "
-             "| Acceptance length | Mean k | Greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["concurrency"], r["config"]) for r in results}, key=lambda k: (k[0], list(dict.fromkeys(
-        r["config"] for r in results)).index(k[1])))
-    for c, name in keys:
-        rs = [r for r in results if r["concurrency"] == c and r["config"] == name]
-        col = lambda key, fmt: _median_range([r.get(key) for r in rs], fmt)  # noqa: E731
-        equal = sum(r.get("greedy_equal_to_plain", 0) for r in rs)
-        total = sum(len(r["tokens"]) for r in rs)
+    """One row per configuration and concurrency; × plain: overall, then the median and range of
+    the per-segment ratios."""
+    lines = [f"TP {tp}", "| Config | c | Output tok/s | × plain | × plain per segment | Mean TPOT (ms) | TPOT × plain "
+             "| Mean step × plain | Acceptance length | Mean k | Greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
         lines.append(
-            f"| {name} | {c} | {col('output_tok_s', '.1f')} | {col('throughput_vs_plain', '.2f')} "
-            f"| {col('mean_tpot_ms', '.1f')} | {col('tpot_speedup_vs_plain', '.2f')} | {col('step_cost_vs_plain', '.2f')} "
-            f"| {col('acceptance_length', '.2f')} | {col('mean_k', '.2f')} | {equal}/{total} |"
+            f"| {r['config']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['throughput_vs_plain']:.2f} "
+            f"| {_median_range(r['segment_throughput_vs_plain'], '.2f')} | {r['mean_tpot_ms']:.1f} "
+            f"| {r['tpot_speedup_vs_plain']:.2f} | {r['step_cost_vs_plain']:.2f} | {_f(r.get('acceptance_length'), '.2f')} "
+            f"| {_f(r.get('mean_k'), '.2f')} | {r['greedy_equal_to_plain']}/{r['num_requests']} |"
         )
     return "\n".join(lines)
 
