@@ -149,7 +149,7 @@ def test_fixed_and_static_schedules():
 
 
 def test_requests_held_at_zero_are_probed_together():
-    c = controller("dflash", 4, model("dflash", lambda r: 1.0, lambda r: 0.3))  # a verified row costs nothing
+    c = controller("dflash", 4, model("dflash", lambda r: 1.0, lambda r: 0.14))  # a verified row costs nothing
     set_rates(c, "r0", [0.1] * 4)
     held_none = [PlanRequest("r0", True, 0, 0, 4), PlanRequest("r1", True, 0, 0, 4)]
     proposed = [c.plan(held_none, 2).num_propose for _ in range(PROBE_INTERVAL)]
@@ -164,26 +164,47 @@ def test_requests_held_at_zero_are_probed_together():
 
 
 def test_probes_within_budget_longest_idle_first():
-    """Where every probed row costs, a probe step probes only as many requests as PROBE_BUDGET of
-    the interval's time pays for (at least one), those idle longest first, so each is probed in turn."""
+    """Where every probed row costs, a probe step probes only as many requests as the credit
+    (PROBE_BUDGET of the steps since the last one, and what that left) pays for, those idle
+    longest first, so each is probed in turn."""
     n, per_row, pass_s = 32, 0.1, 0.3
     c = controller("dflash", 4, model("dflash", lambda r: 1.0 + per_row * r, lambda r: pass_s))
     set_rates(c, "r0", [0.05] * 4)
     plain = 1.0 + per_row * n
     cost = lambda m: per_row * m + pass_s  # noqa: E731  m more rows verified, one pass
-    budget = max(PROBE_BUDGET * PROBE_INTERVAL * plain, cost(1))
-    expected = max(m for m in range(1, n + 1) if cost(m) <= budget)
+    expected = max(m for m in range(1, n + 1) if cost(m) <= PROBE_BUDGET * PROBE_INTERVAL * plain)
     assert 1 < expected < n
     reqs = [PlanRequest(f"r{i}", True, 0, 0, 4) for i in range(n)]
     probed: list[list[int]] = []
-    for _ in range(PROBE_INTERVAL * (n // expected + 1)):
+    last = dict.fromkeys(range(n), -1)  # the step each request last probed at
+    steps = PROBE_INTERVAL * (n // expected + 1)
+    for step in range(steps):
         proposed = c.plan(reqs, n).num_propose
-        if any(proposed):
-            probed.append([i for i, k in enumerate(proposed) if k])
-    assert all(len(p) == expected for p in probed)
-    assert probed[0] == list(range(expected))  # all equally idle: in the step's order
-    assert probed[1] == list(range(expected, 2 * expected))  # then the ones left waiting
-    assert {i for p in probed for i in p} == set(range(n))
+        p = [i for i, k in enumerate(proposed) if k]
+        if p:
+            idle = {i: step - last[i] for i in range(n)}
+            assert min(idle[i] for i in p) >= max(idle[i] for i in range(n) if i not in p)  # longest idle first
+            last.update(dict.fromkeys(p, step))
+            probed.append(p)
+    assert all(len(p) in (expected, expected + 1) for p in probed)  # + 1: credit left by earlier ones
+    assert sum(cost(len(p)) for p in probed) <= PROBE_BUDGET * steps * (plain + per_row)
+    assert probed[0] == list(range(expected)) and min(last.values()) >= 0  # ties in step order; all in turn
+
+
+def test_probes_cost_their_budget_when_one_costs_more_than_an_interval_earns():
+    """A drafting pass beside one fast decode: a probe costs 40% of a step, more than an
+    interval's 1% budget earns, so probe steps come about every cost / (budget · step) steps
+    instead of every PROBE_INTERVAL, and probing costs about PROBE_BUDGET of the time."""
+    step, pass_s = 1.0, 0.4
+    c = controller("dflash", 4, model("dflash", lambda r: step, lambda r: pass_s))
+    set_rates(c, "r0", [0.05] * 4)
+    reqs = [PlanRequest("r0", True, 0, 0, 4)]
+    n = 100 * PROBE_INTERVAL
+    probes = sum(c.plan(reqs, 1).num_propose[0] for _ in range(n))
+    spent = probes * pass_s
+    cap = PROBE_BUDGET * PROBE_INTERVAL * step + pass_s  # credit carried over at most
+    assert PROBE_BUDGET * n * step - cap <= spent <= PROBE_BUDGET * (n * step + spent)
+    assert probes < n // PROBE_INTERVAL // 2  # the old rule: at least one every interval
 
 
 def test_acceptance_estimates_converge_and_shrink_to_the_engine():

@@ -12,9 +12,12 @@ given total of D drafts the best split gives them out one at a time to the large
 the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
 (D = 0, no speculation, when no draft pays). So that the rates of requests held at k = 0 keep
 being measured, every ``PROBE_INTERVAL``-th step requests that have drafted nothing for that
-long propose one draft each (a probe): all probes share one step, and so one drafting pass, and
-as many of them (the longest idle first, at least one) as cost at most ``PROBE_BUDGET`` of the
-time until the next probe step, or what a single probe costs if that is more.
+long propose one draft each (a probe): all probes share one step, and so one drafting pass, the
+longest idle first, as many as the probe credit pays for. Every step earns ``PROBE_BUDGET`` of
+its predicted time as credit, which carries over up to an interval's earnings and one probe's
+cost, so probes cost about ``PROBE_BUDGET`` of the engine's time: where one probe
+costs more than an interval earns (a drafting pass beside a single fast decode), probe steps
+come less often than every interval.
 
 n-gram drafts cost no drafter work (``FREE_PROPOSAL_METHODS``), so there is no steady state to
 plan for: adaptive, every request proposes all the drafts it may, and each step the controller
@@ -39,7 +42,7 @@ from tpspec.spec_decode.acceptance import AcceptanceModel
 from tpspec.spec_decode.step_time import DEFERRED_FEED_METHODS, StepTimeModel, draft_passes
 
 PROBE_INTERVAL = 16  # steps between probe steps, and without drafts before a request is probed
-PROBE_BUDGET = 0.01  # the probes' share of the steps between two probe steps, by the step-time model
+PROBE_BUDGET = 0.01  # the probes' share of the engine's time, by the step-time model
 MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
 FREE_PROPOSAL_METHODS = ("ngram",)  # proposing costs no drafter work (a lookup in the tokens)
 
@@ -76,6 +79,7 @@ class SpeculationLengthController:
         self._steps_without_drafts: dict[str, int] = {}
         self._probing: set[str] = set()
         self._num_plans = 0
+        self._probe_credit = 0.0  # seconds of probing earned: PROBE_BUDGET of every step's predicted time
         # Adaptive n-gram drafts cost nothing to propose: every request proposes the most it may,
         # and the controller chooses how many of the drafts it holds to verify.
         self.free_proposals = spec.adaptive and spec.method in FREE_PROPOSAL_METHODS
@@ -127,6 +131,7 @@ class SpeculationLengthController:
         if self.step_time is not None:
             ks_sampling = [p for p, r in zip(propose, reqs) if r.samples]
             predicted = self.step_time.predict(target_rows, len(reqs), real_rows, ks_sampling, decode_only)
+            self._probe_credit += PROBE_BUDGET * predicted
         return Plan(verify, propose, target_rows, decode_only, predicted)
 
     def _adaptive_ks(self, reqs: list[PlanRequest], real_rows: int) -> list[int]:
@@ -194,10 +199,14 @@ class SpeculationLengthController:
             backlog = model.feed(m * PROBE_INTERVAL) if self.method in DEFERRED_FEED_METHODS else 0.0
             return model.forward(real_rows + m, seqs, False) - plain + passes + backlog
 
-        budget = max(PROBE_BUDGET * PROBE_INTERVAL * (plain + model.overhead), cost(1))
-        chosen = 1
-        while chosen < len(candidates) and cost(chosen + 1) <= budget:
+        # Unspent credit carries over, up to an interval's earnings and one probe: where a single
+        # probe costs more than an interval earns, probe steps are spaced out instead.
+        self._probe_credit = min(self._probe_credit, PROBE_BUDGET * PROBE_INTERVAL * (plain + model.overhead) + cost(1))
+        chosen = 0
+        while chosen < len(candidates) and cost(chosen + 1) <= self._probe_credit:
             chosen += 1
+        if chosen:
+            self._probe_credit -= cost(chosen)
         return set(candidates[:chosen])
 
     # ---- learning -----------------------------------------------------------------------------
