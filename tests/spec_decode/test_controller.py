@@ -92,6 +92,21 @@ def test_giving_up_the_decode_path_must_pay():
     assert sum(c2.plan(reqs, 8).num_verify) > 0
 
 
+def test_prefill_rows_do_not_make_drafts_pay():
+    """A prefill chunk makes its step long whatever k is; against that step's own tokens per
+    second every draft would look cheap. Drafts are valued at what the same sequences make
+    decoding, so poor drafts stay off beside a prefill and good ones still pay."""
+    c = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.1 * r, lambda r: 0.0))
+    decodes = [req(i, 4) for i in range(4)]
+    prefill = PlanRequest("p", True, 0, 0, 4)  # its last chunk: 200 rows, samples, holds no drafts
+    for i in range(4):
+        set_rates(c, f"r{i}", [0.2] * 4, n=300)
+    assert c.plan(decodes, 4).num_verify == [0] * 4  # ~0.2 tokens for 0.1 s; a token costs 0.35 s
+    assert c.plan(decodes + [prefill], 204).num_verify == [0] * 5
+    set_rates(c, "r0", [0.95] * 4, n=300)
+    assert c.plan(decodes + [prefill], 204).num_verify[0] == 4
+
+
 def test_more_requests_fewer_drafts():
     """Rows get expensive once a batch is compute-bound: the same drafter pays less per request."""
     target = lambda r: 1.0 + 0.002 * r if r <= 16 else 1.03 + 0.02 * (r - 16)  # noqa: E731

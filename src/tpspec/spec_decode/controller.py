@@ -10,7 +10,9 @@ with E[accepted_i] from the per-position acceptance rates measured while serving
 verified next step. Draft j of request i adds Π_{m ≤ j} α_im tokens, which falls with j, so for a
 given total of D drafts the best split gives them out one at a time to the largest next gain;
 the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
-(D = 0, no speculation, when no draft pays). So that the rates of requests held at k = 0 keep
+(D = 0, no speculation, when no draft pays). A step with prefill rows is long whatever k is,
+so against its own tokens per second every draft would look cheap: there it keeps the D that
+maximizes tokens − λ · seconds, λ the most tokens per second the same sequences make decoding. So that the rates of requests held at k = 0 keep
 being measured, every ``PROBE_INTERVAL``-th step requests that have drafted nothing for that
 long propose one draft each (a probe): all probes share one step, and so one drafting pass, the
 longest idle first, as many as the probe credit pays for. Every step earns ``PROBE_BUDGET`` of
@@ -153,29 +155,36 @@ class SpeculationLengthController:
         if not heap or base_tokens == 0:
             return ks
         most = sum(len(g) for g in gains.values())
-        # The target's forward by drafts verified: without any, a step of decodes alone saves the
-        # verify jump; one draft gives it up (and makes a deferring drafter feed).
-        forward = model.forward_by_drafts(real_rows, len(reqs), most).tolist()
+        seqs = len(reqs)
+        # Seconds of the step by drafts verified, and of the same sequences decoding one token
+        # each (the same step where it has no prefill rows): without drafts a step of decodes
+        # alone saves the verify jump; one draft gives it up (and makes a deferring drafter feed).
+        shapes = [(real_rows, model.forward_by_drafts(real_rows, seqs, most))]
+        if real_rows != seqs:
+            shapes.append((seqs, model.forward_by_drafts(seqs, seqs, most)))
+        seconds = [[f[0] + model.feed(model.fed_rows(rows, False)) + model.overhead] for rows, f in shapes]
         cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
-        fixed = model.feed(real_rows) + model.overhead
-        tokens, drafts = float(base_tokens), 0
-        plain = forward[0] + model.feed(model.fed_rows(real_rows, False))
-        best_rate, best_drafts = tokens / (plain + model.overhead), 0
+        tokens = [float(base_tokens)]
         order = []
         while heap:
             neg_gain, i = heapq.heappop(heap)
             if -neg_gain < MIN_GAIN:
                 break
             order.append(i)
-            tokens += -neg_gain
-            drafts += 1
+            tokens.append(tokens[-1] - neg_gain)
             cost.add(ks[i])
             ks[i] += 1
-            rate = tokens / (forward[drafts] + fixed + cost.seconds)
-            if rate > best_rate:
-                best_rate, best_drafts = rate, drafts
+            for (rows, forward), secs in zip(shapes, seconds):
+                secs.append(forward[len(order)] + model.feed(rows) + model.overhead + cost.seconds)
             if ks[i] < len(gains[i]):
                 heapq.heappush(heap, (-float(gains[i][ks[i]]), i))
+        tokens_np, step_s = np.asarray(tokens), np.asarray(seconds[0])  # [drafts + 1] by drafts handed out
+        if len(shapes) == 1:  # the step repeats as it is: the most tokens per second
+            best_drafts = int(np.argmax(tokens_np / step_s))
+        else:  # prefill rows make the step long whatever k is; beside them drafts would look cheap:
+            # value a token at what the same sequences decoding make per second (λ) instead
+            rate = float(np.max(tokens_np / np.asarray(seconds[1])))
+            best_drafts = int(np.argmax(tokens_np - rate * step_s))
         ks = [0] * len(reqs)
         for i in order[:best_drafts]:
             ks[i] += 1
