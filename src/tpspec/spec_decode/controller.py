@@ -12,14 +12,14 @@ given total of D drafts the best split gives them out one at a time to the large
 the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
 (D = 0, no speculation, when no draft pays). A step with prefill rows is long whatever k is,
 so against its own tokens per second every draft would look cheap: there it keeps the D that
-maximizes tokens − λ · seconds, λ the most tokens per second the same sequences make decoding. So that the rates of requests held at k = 0 keep
-being measured, every ``PROBE_INTERVAL``-th step requests that have drafted nothing for that
-long propose one draft each (a probe): all probes share one step, and so one drafting pass, the
-longest idle first, as many as the probe credit pays for. Every step earns ``PROBE_BUDGET`` of
-its predicted time as credit, which carries over up to an interval's earnings and one probe's
-cost, so probes cost about ``PROBE_BUDGET`` of the engine's time: where one probe
-costs more than an interval earns (a drafting pass beside a single fast decode), probe steps
-come less often than every interval.
+maximizes tokens − λ · seconds, λ the most tokens per second the same sequences make decoding.
+So that the rates of requests held at k = 0 keep being measured, every ``PROBE_INTERVAL``-th
+step requests that have drafted nothing for that long propose one draft each (a probe): all
+probes share one step, and so one drafting pass, the longest idle first, as many as the probe
+credit pays for. Every step earns ``PROBE_BUDGET`` of its predicted time as credit, which
+carries over up to an interval's earnings and one probe's cost, so probes cost about
+``PROBE_BUDGET`` of the engine's time: where one probe costs more than an interval earns (a
+drafting pass beside a single fast decode), probe steps come less often than every interval.
 
 n-gram drafts cost no drafter work (``FREE_PROPOSAL_METHODS``), so there is no steady state to
 plan for: adaptive, every request proposes all the drafts it may, and each step the controller
@@ -163,6 +163,7 @@ class SpeculationLengthController:
         if real_rows != seqs:
             shapes.append((seqs, model.forward_by_drafts(seqs, seqs, most)))
         seconds = [[f[0] + model.feed(model.fed_rows(rows, False)) + model.overhead] for rows, f in shapes]
+        fixed = [model.feed(rows) + model.overhead for rows, _ in shapes]  # a step with drafts, less forward and passes
         cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
         tokens = [float(base_tokens)]
         order = []
@@ -174,8 +175,8 @@ class SpeculationLengthController:
             tokens.append(tokens[-1] - neg_gain)
             cost.add(ks[i])
             ks[i] += 1
-            for (rows, forward), secs in zip(shapes, seconds):
-                secs.append(forward[len(order)] + model.feed(rows) + model.overhead + cost.seconds)
+            for (_, forward), base, secs in zip(shapes, fixed, seconds):
+                secs.append(forward[len(order)] + base + cost.seconds)
             if ks[i] < len(gains[i]):
                 heapq.heappush(heap, (-float(gains[i][ks[i]]), i))
         tokens_np, step_s = np.asarray(tokens), np.asarray(seconds[0])  # [drafts + 1] by drafts handed out
