@@ -127,8 +127,7 @@ def replay(trace: dict, level: str, spec_dict: dict | None, noise: float, seed: 
             verify, propose = [0] * len(running), [0] * len(running)
         target_rows = real_rows + sum(verify)
         decode_only = target_rows == len(running) and all(r.prefilled for r in running)
-        ks = [p for p in propose]
-        step_s = truth.predict(target_rows, len(running), real_rows, ks, decode_only)
+        step_s = truth.predict(target_rows, len(running), real_rows, propose, decode_only)
         if noise:
             step_s *= math.exp(rng.gauss(0.0, noise))
         accepted = []

@@ -1,4 +1,4 @@
-"""How long an engine step takes, as a function of its rows: the speculation-length controller's cost.
+"""How long an engine step takes, by its rows and sequences: the speculation-length controller's cost.
 
     step = forward(rows, seqs) + feed(feed rows) + Σ_passes draft(pass rows) + overhead
     forward(rows, seqs) = rows(rows) + seqs(seqs) + verify_jump · [the step verifies drafts]
