@@ -5,16 +5,18 @@ each), runs the first engine step (the prefill) untimed, then times every step t
 throughput = batch · decode steps / time, and the median step. ``bench_generate.py`` measures
 whole requests, prefill included; this isolates the per-token path (attention, matmuls, sampling).
 
-  python3 benchmarks/bench_decode_steps.py --tp 2 --dtype bfloat16 --batch 32
+  python3 benchmarks/bench_decode_steps.py --tp 2 --dtype bfloat16 --batch 32 --result-file decode_steps.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 from tpspec.bench.datasets import humaneval_prompts
+from tpspec.bench.machine import machine_info
 from tpspec.llm import LLM
 from tpspec.sampling_params import SamplingParams
 
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--torch-compile", action="store_true", help="compiled decode steps (EngineConfig.torch_compile)")
+    p.add_argument("--result-file", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
     llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype, torch_compile=args.torch_compile)
     llm.generate(humaneval_prompts()[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -41,9 +44,14 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
         steps.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - start
+    tok_s, median_ms = args.batch * len(steps) / elapsed, 1e3 * statistics.median(steps)
     compiled = ", compiled" if args.torch_compile else ""
     print(f"{args.dtype} TP {args.tp}{compiled} batch {args.batch}: {len(steps)} decode steps, "
-          f"{args.batch * len(steps) / elapsed:.1f} tok/s, median step {1e3 * statistics.median(steps):.1f} ms")
+          f"{tok_s:.1f} tok/s, median step {median_ms:.1f} ms")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(dict(machine=machine_info(), args=vars(args), decode_steps=len(steps), output_tok_s=tok_s,
+                           median_step_ms=median_ms, step_ms=[1e3 * s for s in steps]), f, indent=1)
 
 
 if __name__ == "__main__":

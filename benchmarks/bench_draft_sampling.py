@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import statistics
 import time
 
 import torch
 from tqdm import tqdm
+
+from tpspec.bench.machine import machine_info
 
 from lm_head_ranks import TORCH_DTYPES, add_head_args, load_head, model_folder, run_ranks, time_reps
 
@@ -143,9 +143,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not all(r["tokens_equal"] for r in rows if r["flag"] == "on"):
         logger.error("get_top_tokens disagrees with compute_logits().argmax(-1)")
     if args.result_file:
-        env = dict(torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine(), python=platform.python_version())
         with open(args.result_file, "w") as f:
-            json.dump(dict(args=vars(args), env=env, model=folder, **info, results=rows), f, indent=2)
+            json.dump(dict(machine=machine_info(), args=vars(args), model=folder, **info, results=rows), f, indent=2)
         logger.info("wrote %s", args.result_file)
     return rows
 

@@ -21,7 +21,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import platform
 import time
 import traceback
 
@@ -29,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from tpspec.bench.datasets import DATASETS, load_prompts
+from tpspec.bench.machine import machine_info
 from tpspec.llm import LLM
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
@@ -239,9 +239,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_speedups(rows)
     print(format_table(rows))
     if args.result_file:
-        env = dict(torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine(), python=platform.python_version())
         with open(args.result_file, "w") as f:
-            json.dump(dict(args=vars(args), env=env, results=rows), f, indent=2)
+            json.dump(dict(machine=machine_info(), args=vars(args), results=rows), f, indent=2)
         logger.info("wrote %s", args.result_file)
     return rows
 

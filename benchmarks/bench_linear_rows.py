@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from machine import machine_info
+from tpspec.bench.machine import machine_info
 from tpspec.layers.linear import ONEDNN_PACK_ROWS, linear
 
 # SmolLM2-135M: hidden 576, 9 heads + 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152.

@@ -6,7 +6,8 @@ profile is measured beside another process's work) and kept alive: the coordinat
 the same prompts to each configuration in turn, one segment at a time (``--segment-prompts``,
 default c prompts), in an order that alternates between segments (forward, then backward), so
 only one process works at any moment and every configuration meets the machine's slow changes
-of speed as often as the others. These machines are noisy (the same configuration varies by
+of speed as often as the others; plain decoding comes first and the adaptive configurations
+next, so that their ratios to plain are taken seconds apart. These machines are noisy (the same configuration varies by
 10-30 % between runs minutes apart); a ratio between two configurations measured seconds apart
 is far steadier than one between runs minutes apart.
 
@@ -34,7 +35,8 @@ import subprocess
 import sys
 import time
 
-from machine import machine_info
+from tpspec.bench.machine import machine_info
+
 
 logger = logging.getLogger("bench_speculative")
 
@@ -175,8 +177,10 @@ def main(argv=None) -> int:
     todo = configs(args.methods, args.ks)
     if args.configs:
         todo = {name: todo[name] for name in args.configs}
-    if "plain" not in todo:
-        todo = {"plain": None, **todo}
+    # Plain decoding first, then the adaptive configurations: run next to plain in every segment
+    # (forward and backward), their ratios to it are the least exposed to the machine's drift.
+    todo = {"plain": None, **{n: s for n, s in todo.items() if n.endswith("-adaptive")},
+            **{n: s for n, s in todo.items() if n != "plain" and not n.endswith("-adaptive")}}
     workers = []
     try:
         for name, spec in todo.items():  # one at a time: no start-up profile beside another process's work

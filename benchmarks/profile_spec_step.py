@@ -20,7 +20,8 @@ import sys
 import time
 from collections import defaultdict
 
-from machine import machine_info
+from tpspec.bench.machine import machine_info
+
 
 PHASES = ("forward", "logits", "verify", "propose")  # "logits": the target's LM head outside the drafter
 

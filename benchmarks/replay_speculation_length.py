@@ -41,9 +41,9 @@ def record(args) -> None:
     each concurrency level with (one engine, levels in turn)."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from bench_speculative import run_level
-    from machine import machine_info
 
     from tpspec.bench.datasets import humaneval_prompts
+    from tpspec.bench.machine import machine_info
     from tpspec.engine.llm_engine import LLMEngine
     from tpspec.sampling_params import SamplingParams
 

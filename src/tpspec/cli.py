@@ -3,51 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
 
+from tpspec.bench.server_options import ServerOptions
+from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto = float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size in GiB (per engine, all layers)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory-gb)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    p.add_argument("--sampling-mode", default="gathered", choices=["gathered", "vocab-parallel"], help="vocab-parallel: every rank samples and verifies from its own vocab shard, O(tp) bytes per row instead of O(vocab); same tokens")
-    p.add_argument("--torch-compile", action="store_true", help="run decode steps through torch.compile'd decoder layers: faster on CPU; compiles at start-up (tens of seconds, cached on disk)")
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        num_kv_blocks=args.num_kv_blocks,
-        seed=args.seed,
-        speculative_config=args.speculative_config,
-        sampling_mode=args.sampling_mode,
-        torch_compile=args.torch_compile,
-    )
+    """The engine flags (``EngineArgs.add_cli_args``) as ``LLM`` keywords."""
+    return EngineArgs.from_cli(args).kwargs()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -79,7 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tpspec.server.api import run_server
+    from tpspec.server.lifecycle import run_server
 
     return run_server(args, engine_kwargs(args))
 
@@ -128,7 +100,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_compare(args: argparse.Namespace) -> int:
-    from tpspec.bench.compare import BASELINE, DEFAULT_SPECULATIVE_CONFIG, CompareConfig, ServerOptions, run_compare
+    from tpspec.bench.compare import BASELINE, DEFAULT_SPECULATIVE_CONFIG, CompareConfig, run_compare
     from tpspec.bench.report import format_compare_table
     from tpspec.bench.serve import Workload
 
@@ -136,22 +108,18 @@ def _bench_compare(args: argparse.Namespace) -> int:
         spec = DEFAULT_SPECULATIVE_CONFIG if args.speculative_config is None else json.loads(args.speculative_config)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config must be JSON, got {args.speculative_config!r}: {e}") from None
-    server = ServerOptions(
-        model=args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        num_kv_blocks=args.num_kv_blocks, seed=args.seed, sampling_mode=args.sampling_mode,
-    )
+    server = ServerOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)})
     cfg = CompareConfig(
         server=server, workload=Workload(**workload_kwargs(args)), concurrencies=tuple(args.max_concurrency),
         speculative_config=spec, result_file=args.result_file, plot_file=args.plot_file,
-        server_timeout_s=args.server_timeout, show_progress=not args.disable_tqdm,
+        server_timeout_s=args.server_timeout, show_progress=not args.disable_tqdm, repeats=args.repeats,
     )
     try:
         out = run_compare(cfg)
     except RuntimeError as e:  # a server that died or never became healthy, a failed warm-up
         logging.getLogger("tpspec").error("%s", e)
         return 1
-    sys.stdout.write(format_compare_table(out["runs"], BASELINE) + "\n")
+    sys.stdout.write(format_compare_table(out["summary"], BASELINE) + "\n")
     return 0
 
 
@@ -169,23 +137,21 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     s.set_defaults(func=_bench_serve)
 
     c = sub.add_parser("compare", help="use_local_argmax_reduction off vs on: start tpspec serve per config, load it, compare")
-    c.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: the embedded model)")
-    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
-    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    c.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    c.add_argument("--max-num-seqs", type=int, default=64)
-    c.add_argument("--max-model-len", type=int, default=None)
-    c.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size in GiB (server default if unset)")
-    c.add_argument("--num-kv-blocks", type=int, default=None)
-    c.add_argument("--seed", type=int, default=0, help="the servers' seed and the workload's")
-    c.add_argument("--sampling-mode", default="gathered", choices=["gathered", "vocab-parallel"],
-                   help="the servers' verification/sampling mode (the same for both configs)")
+    EngineArgs.add_cli_args(  # passed to both servers (ServerOptions)
+        c, only=tuple(f.name for f in dataclasses.fields(ServerOptions)),
+        defaults={f.name: f.default for f in dataclasses.fields(ServerOptions)},
+        help={"seed": "the servers' seed and the workload's",
+              "sampling_mode": "the servers' verification/sampling mode (the same for both configs)"},
+    )
     c.add_argument("--speculative-config", default=None,
                    help="the baseline's JSON (default: bench.compare.DEFAULT_SPECULATIVE_CONFIG, DFlash with 15 "
                         "tokens); the other config adds use_local_argmax_reduction=true")
     c.add_argument("--max-concurrency", type=int, nargs="+", default=[32], help="one or more concurrency levels")
     c.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per server start")
     c.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for a server to be healthy")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="rounds over both configs, alternating which goes first, with fresh servers; the table "
+                        "gives each figure's mean and range, and says when a change is within the spread")
     c.add_argument("--result-file", default="bench_compare.json")
     c.add_argument("--plot-file", default=None, help="PNG chart (default: the result file with .png)")
     add_workload_args(c)
@@ -237,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text offline from one or more prompts")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     g.add_argument("--prompt", "-p", action="append", help="a prompt (repeatable); default: a demo question")
     g.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of through the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -249,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (vLLM's flag names)")
-    add_engine_args(s)
+    EngineArgs.add_cli_args(s)
     add_serve_args(s)
     s.set_defaults(func=_serve)
     add_bench_parsers(sub.add_parser("bench", help="benchmark a server (serve) or the flag end to end (compare)"))

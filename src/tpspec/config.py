@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_DTYPES = ("auto", *MODEL_DTYPES)  # "auto": resolve_dtype picks one for the device
 SAMPLING_MODES = ("gathered", "vocab-parallel")
 
 
@@ -311,8 +312,9 @@ class EngineConfig:
         return spec.num_speculative_tokens + (spec.method == "dflash")
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES[1:]:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {MODEL_DTYPES} (resolve 'auto' with resolve_dtype), "
+                             f"got {self.dtype!r}")
         if not isinstance(self.torch_compile, bool):
             raise ValueError(f"torch_compile must be True or False, got {self.torch_compile!r}")
         if self.sampling_mode not in SAMPLING_MODES:

@@ -12,10 +12,11 @@ from tpspec.sampling_params import SamplingParams
 
 
 class LLM:
-    """``LLM(model=None)`` serves the embedded default model (SmolLM2-135M-Instruct)."""
+    """``LLM(model=None)`` serves the embedded default model (SmolLM2-135M-Instruct); the other
+    keywords are ``EngineArgs``' (``tensor_parallel_size``, ``dtype``, ``speculative_config``, ...)."""
 
-    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, **engine_args):
-        self.llm_engine = LLMEngine.from_args(model=model, tensor_parallel_size=tensor_parallel_size, **engine_args)
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine.from_args(model=model, **engine_args)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -79,8 +79,9 @@ def test_compare_end_to_end(model, tmp_path, capsys):
         assert (r["completed"], r["failed"]) == (4, 0)
         assert r["spec_decode_acceptance_rate"] == 1.0  # self-draft, greedy: every draft accepted
         assert r["output_throughput"] > 0 and r["mean_tpot_ms"] > 0
-    # Greedy speculation is lossless with the flag on or off: the same tokens in every run.
-    assert len({tuple(r["output_lens"]) for r in runs}) == 1
+    # Greedy speculation is lossless with the flag on or off: the same text for every prompt in every run.
+    assert all(t for r in runs for t in r["generated_texts"])
+    assert len({tuple(r["generated_texts"]) for r in runs}) == 1, [r["generated_texts"] for r in runs]
 
     png = result_file.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -138,3 +139,61 @@ def test_compare_config_validation():
             CompareConfig(concurrencies=bad)
     configs = dict(CompareConfig().configs())
     assert FLAG not in configs[BASELINE] and configs[FLAGGED] == {**pinned, FLAG: True}
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="repeats"):
+            CompareConfig(repeats=bad)
+
+
+def test_repeats_alternate_the_configs_with_fresh_servers_and_summarize(tmp_path, monkeypatch):
+    """Rounds alternate which config goes first, each server starts afresh, and the table gives
+    means with ranges, saying when a change is inside the spread."""
+    import tpspec.bench.compare as compare
+
+    started, served = [], []
+
+    class FakeServer:
+        def __init__(self, argv, log_path):
+            self.log_path = log_path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def start(self, timeout_s):
+            started.append(os.path.basename(self.log_path))
+            return "http://127.0.0.1:1"
+
+    # Throughput by (config, round): the flag's gain is clear at concurrency 4 (ranges apart) and
+    # inside the spread at concurrency 1.
+    figures = {(BASELINE, 1): (10.0, 14.0), (FLAGGED, 1): (11.0, 13.0), (BASELINE, 4): (20.0, 22.0), (FLAGGED, 4): (30.0, 32.0)}
+
+    def fake_benchmark(target, w, show_progress):
+        name = started[-1].split(".")[1]
+        round_ = int(started[-1].split(".round")[1][0])
+        served.append((name, round_, w.max_concurrency))
+        tok_s = figures[(name, w.max_concurrency)][round_]
+        return {"max_concurrency": w.max_concurrency, "output_throughput": tok_s, "mean_tpot_ms": 1000 / tok_s,
+                "spec_decode_acceptance_length": 2.0, "draft_bytes_per_draft_token": None}
+
+    monkeypatch.setattr(compare, "ServerProcess", FakeServer)
+    monkeypatch.setattr(compare, "benchmark", fake_benchmark)
+    monkeypatch.setattr(compare, "plot_comparison", lambda *a, **k: None)
+    cfg = CompareConfig(concurrencies=(1, 4), repeats=2, result_file=str(tmp_path / "c.json"), show_progress=False)
+    out = compare.run_compare(cfg)
+    assert started == [f"c.{BASELINE}.round0.server.log", f"c.{FLAGGED}.round0.server.log",
+                       f"c.{FLAGGED}.round1.server.log", f"c.{BASELINE}.round1.server.log"]
+    assert [r["round"] for r in out["runs"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert out["machine"]["cpu"] and out["machine"]["isa"] is not None and out["repeats"] == 2
+    rows = {(r["config"], r["max_concurrency"]): r for r in out["summary"]}
+    assert rows[(FLAGGED, 4)]["output_throughput"] == 31.0 and rows[(FLAGGED, 4)]["rounds"] == 2
+    assert (rows[(BASELINE, 1)]["output_throughput_min"], rows[(BASELINE, 1)]["output_throughput_max"]) == (10.0, 14.0)
+    assert rows[(BASELINE, 1)]["draft_bytes_per_draft_token"] is None
+
+    from tpspec.bench.report import format_compare_table
+
+    table = format_compare_table(out["summary"], BASELINE).splitlines()
+    flagged = {int(line.split("|")[2]): line.split("|")[3].strip() for line in table if line.startswith(f"| {FLAGGED} |")}
+    assert flagged[1] == "12.0 (11.0–13.0) (+0.0%, within the spread)"
+    assert flagged[4] == "31.0 (30.0–32.0) (+47.6%)"

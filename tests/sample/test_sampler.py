@@ -137,11 +137,16 @@ def test_top_p_over_a_large_flat_vocab_matches_full_sort():
     out = apply_top_p(logits, top_p)
     for r in range(6):
         sorted_logits = torch.sort(logits[r], descending=True).values
-        cum = torch.softmax(logits[r].double(), -1).sort(descending=True).values.cumsum(0)
-        length = int((cum < top_p[r].double()).sum()) + 1
+        # The rule on the whole sorted row, with the documented fixed-point masses
+        # (round(exp(x - M) * 2^38) in float32, integer sums): exact, so the staged search must match it.
+        weights = torch.round(torch.exp(sorted_logits - sorted_logits[0]) * 2.0**38).long()
+        cum = weights.cumsum(0)
+        length = int((cum.double() < top_p[r].double() * float(cum[-1])).sum()) + 1
         kept = int((out[r] > -math.inf).sum())
-        assert abs(kept - length) <= 2, (r, kept, length)  # float32 vs float64 cumulative sums
+        assert kept == length, (r, kept, length)
         assert bool((out[r][logits[r] >= sorted_logits[kept - 1]] > -math.inf).all())
+        exact = torch.softmax(logits[r].double(), -1).sort(descending=True).values.cumsum(0)
+        assert abs(kept - (int((exact < top_p[r].double()).sum()) + 1)) <= 2  # and it is the real nucleus
 
 
 def test_sampling_with_filters_matches_renormalised_distribution():

@@ -25,6 +25,7 @@ class FakeEngine:
         self.num_has_unfinished_calls = 0
         self.shut_down = False
         self.stats = {"num_steps": 0}
+        self.death_listeners = []  # LLMEngine.on_worker_death: told by kill_worker()
 
     def _called(self) -> None:
         self.threads.add(threading.get_ident())
@@ -80,6 +81,16 @@ class FakeEngine:
     def get_stats(self) -> dict:
         self._called()
         return {"num_steps": self.stats["num_steps"], "num_running": len(self.requests), "num_waiting": 0}
+
+    def on_worker_death(self, callback) -> None:
+        self.death_listeners.append(callback)
+
+    def kill_worker(self) -> None:
+        """What the executor's watchdog does when a worker dies: the listeners are told, from
+        another thread; the next step would raise too."""
+        self.die.set()
+        for callback in self.death_listeners:
+            callback("TP worker rank 1 (pid 0) died with exit code -9")
 
     def shutdown(self) -> None:
         self._called()

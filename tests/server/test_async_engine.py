@@ -34,6 +34,27 @@ async def _collect(engine, prompt, **kw):
     return [out async for out in engine.generate(prompt, SamplingParams(**kw))]
 
 
+async def _eventually(predicate, timeout: float = 30.0) -> None:
+    """Wait for state, not for time: a loaded machine only makes this slower."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the engine never got there"
+        await asyncio.sleep(0.01)
+
+
+def _settled(read, timeout: float = 30.0, quiet_s: float = 0.2):
+    """``read()`` once it has not changed for ``quiet_s``; fails if it keeps changing."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while True:
+        time.sleep(quiet_s)
+        now = read()
+        if now == value:
+            return value
+        assert time.monotonic() < deadline, f"still changing after {timeout} s: {value} -> {now}"
+        value = now
+
+
 def test_streams_outputs_and_every_engine_call_is_on_the_engine_thread(fake_engine):
     engine, fake, created_on = fake_engine
 
@@ -70,10 +91,7 @@ def test_leaving_the_stream_early_aborts_the_request(fake_engine):
         async for out in agen:
             break
         await agen.aclose()
-        for _ in range(200):
-            if "early" in fake.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _eventually(lambda: "early" in fake.aborted)
 
     asyncio.run(main())
     assert fake.aborted == ["early"] and fake.requests == {}
@@ -90,15 +108,11 @@ def test_cancelling_a_waiting_consumer_aborts_the_request(fake_engine):
 
     async def main():
         task = asyncio.create_task(consume())
-        while "waiting" not in fake.requests:
-            await asyncio.sleep(0.005)
+        await _eventually(lambda: "waiting" in fake.requests)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if fake.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _eventually(lambda: fake.aborted)
 
     asyncio.run(main())
     assert fake.aborted == ["waiting"] and fake.requests == {}
@@ -120,12 +134,12 @@ def test_abort_from_elsewhere_ends_the_stream_with_abort(fake_engine):
 def test_idle_engine_blocks_instead_of_spinning(fake_engine):
     engine, fake, _ = fake_engine
     asyncio.run(_collect(engine, [1], max_tokens=2))
-    time.sleep(0.05)
-    steps, polls = fake.stats["num_steps"], fake.num_has_unfinished_calls
+    # Blocked on the queue, not polling: its calls stop (however long the thread takes to get
+    # there on a busy machine), and stay stopped.
+    polls = _settled(lambda: (fake.stats["num_steps"], fake.num_has_unfinished_calls))
     time.sleep(0.3)
-    assert fake.stats["num_steps"] == steps
-    assert fake.num_has_unfinished_calls == polls  # blocked on the queue, not polling
-    assert asyncio.run(engine.get_stats())["num_steps"] == steps  # and wakes up for work
+    assert (fake.stats["num_steps"], fake.num_has_unfinished_calls) == polls
+    assert asyncio.run(engine.get_stats())["num_steps"] == polls[0]  # and wakes up for work
 
 
 def test_engine_death_fails_in_flight_requests_and_marks_unhealthy(fake_engine):
@@ -150,6 +164,21 @@ def test_engine_death_fails_in_flight_requests_and_marks_unhealthy(fake_engine):
     with pytest.raises(EngineDeadError):
         engine.check_health()
 
+
+
+def test_worker_death_while_idle_ends_the_engine_without_a_request(fake_engine):
+    """The engine thread sleeps on its queue while idle: a worker's death must wake it, not wait
+    for the next request to find out."""
+    engine, fake, _ = fake_engine
+    asyncio.run(_collect(engine, [1], max_tokens=2))
+    assert engine.is_healthy and fake.death_listeners
+    steps = fake.stats["num_steps"]
+    fake.kill_worker()
+    assert engine.join(timeout=10), "the engine thread is still waiting for work"
+    assert not engine.is_healthy and fake.shut_down
+    assert fake.stats["num_steps"] == steps  # no step was needed to notice
+    with pytest.raises(EngineDeadError, match="died"):
+        engine.check_health()
 
 def test_shutdown_stops_the_thread_and_fails_in_flight_requests():
     fake = FakeEngine()

@@ -2,7 +2,8 @@
 
 A TP worker killed mid-generation: every request in flight ends with 503 ``engine_dead`` (streams
 with an error event, then ``[DONE]``), /health stops answering 200, the server exits with status 1
-and no process is left behind. SIGTERM with a request in flight: the request runs to its end,
+and no process is left behind; killed while the server is idle, the same with no request needed
+(/health alone sees it). SIGTERM with a request in flight: the request runs to its end,
 then the server exits 0 and its worker is gone. The API key comes from the environment here."""
 
 from __future__ import annotations
@@ -91,6 +92,31 @@ def test_worker_killed_mid_generation(tiny_llama, tmp_path):
     log = open(proc.log_path).read()
     assert "died" in log and "stopping the server" in log and "engine shut down" in log
     assert "Traceback" not in log.split("stopping the server", 1)[1]  # a clean stop, not a crash
+
+
+def test_worker_killed_while_idle(tiny_llama, tmp_path):
+    """No request in flight and none sent after the death: /health alone must see it, and the
+    server must exit 1 by itself, for a supervisor polling /health to restart it."""
+    proc, workers = _start(tiny_llama, tmp_path / "server.log")
+    try:
+        assert request("POST", proc.url + "/v1/completions", {**LONG, "max_tokens": 2})[0] == 200
+        os.kill(workers[0].pid, signal.SIGKILL)
+
+        def unhealthy() -> bool:
+            try:
+                status, body, _ = request("GET", proc.url + "/health", timeout=10)
+            except ConnectionError:  # already stopped listening
+                return True
+            assert status in (200, 503), (status, body)
+            return status == 503 and json.loads(body)["error"]["code"] == "engine_dead"
+
+        assert wait_until(unhealthy, timeout=10), "/health still answers 200 after the worker died"
+        assert proc.proc.wait(15) == 1
+    finally:
+        proc.stop()
+    assert not _alive(workers[0])
+    log = open(proc.log_path).read()
+    assert "died" in log and "stopping the server" in log and "engine shut down" in log
 
 
 def test_sigterm_finishes_the_request_in_flight(tiny_llama, tmp_path):

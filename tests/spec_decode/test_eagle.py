@@ -12,7 +12,7 @@ Llama target (draft vocab 500 of 1000, non-trivial d2t).
 * Token alignment in the engine: on a bigram target (attention and MLP outputs zeroed: the next
   token is a function of the current one), a head built to compute that function through its own
   machinery (row t attends only to itself and reads the embedding of token t + 1) has every draft
-  accepted; rows fed token t instead of t + 1 get none. (Positions are checked against the
+  accepted, at TP 1 and 2; rows fed token t instead of t + 1 get none. (Positions are checked against the
   reference in tests/models/test_eagle3.py: this head is blind to them.)
 """
 
@@ -154,12 +154,15 @@ def _bigram_eagle3(folder: str, target: str) -> str:
     })
 
 
-def test_bigram_head_has_every_draft_accepted(tiny_llama, tmp_path):
+@pytest.mark.parametrize("tp,flag", [(1, True), (2, True), (2, False)])
+def test_bigram_head_has_every_draft_accepted(tiny_llama, tmp_path, tp, flag):
+    """Acceptance at TP 2 too: a verifier (or sharded drafting) that rejected every draft would
+    still pass the losslessness tests above."""
     target = _bigram_target(tiny_llama, str(tmp_path / "bigram-target"))
     head = _bigram_eagle3(str(tmp_path / "bigram-eagle3"), target)
-    with LLM(target, **ENGINE) as llm:
+    with LLM(target, tensor_parallel_size=tp, **ENGINE) as llm:
         ref = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    with LLM(target, speculative_config=_spec(head, True), **ENGINE) as llm:
+    with LLM(target, tensor_parallel_size=tp, speculative_config=_spec(head, flag), **ENGINE) as llm:
         out = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         s = llm.get_stats()
     assert out == ref

@@ -235,7 +235,7 @@ def test_greedy_output_equals_plain_output(case, models):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
-EXPECTED_ACCEPTANCE = {"self": "all", "perturbed": "partial", "ngram": "partial", "qwen3": "some-rejected", "dflash": "partial"}
+EXPECTED_ACCEPTANCE = {"self": "all", "perturbed": "partial", "ngram": "partial", "qwen3": "partial", "dflash": "partial"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -277,11 +277,10 @@ def test_acceptance_and_spec_metrics(case, models):
         assert d_accepted == d_drafted > 0 and d_first == d_drafts
         # With 100% acceptance and k = 4, runs of 5 tokens: 1 + 5 + 5 + 5 + 5 + 3 = 24, so no round lacks drafts.
         assert generated == n + d_drafts + d_accepted
-    elif kind == "partial":
+    else:  # partial: a verifier that rejected everything (or accepted everything) fails here
+        assert kind == "partial"
         assert 0 < d_accepted < d_drafted
         assert per_pos[1] > 0  # some rounds accept two drafts or more, then reject
-    else:
-        assert d_accepted < d_drafted
 
 
 # ---- communication: the flag never gathers full draft logits -------------------------------------

@@ -4,14 +4,16 @@ For each configuration in turn (baseline = the speculative config as given; loca
 same plus ``"use_local_argmax_reduction": true``) a ``tpspec serve`` subprocess is started on a free
 loopback port, warmed up, loaded with the same workload at each concurrency level (``bench.serve``),
 and stopped (SIGTERM, then SIGKILL to its whole process group after a grace period: no orphaned
-TP workers). The runs go to a JSON file and a PNG chart; the CLI prints the comparison table.
-The speculation length is pinned (``"adaptive": false``) unless the config sets ``adaptive``.
+TP workers). With ``repeats`` > 1 the configurations alternate over that many rounds (baseline
+first, then flagged first, ...), each with fresh servers, so that both meet the machine's slow
+changes of speed alike; the summary gives each figure's mean and range over the rounds. The runs
+go to a JSON file and a PNG chart; the CLI prints the comparison table. The speculation length
+is pinned (``"adaptive": false``) unless the config sets ``adaptive``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -25,8 +27,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tpspec.bench.report import plot_comparison, write_json
+from tpspec.bench.machine import machine_info
+from tpspec.bench.report import plot_comparison, summarize, write_json
 from tpspec.bench.serve import Target, Workload, benchmark
+from tpspec.bench.server_options import ServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -40,32 +44,6 @@ _READY = re.compile(r"server ready: (http://[0-9.]+:\d+)")
 
 class ServerStartError(RuntimeError):
     """``tpspec serve`` died or did not become healthy in time (the message has its log tail)."""
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """Engine flags passed through to ``tpspec serve`` (None: the server's default)."""
-
-    model: str | None = None  # None: the embedded default model
-    tensor_parallel_size: int = 2
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    kv_cache_memory_gb: float | None = None
-    num_kv_blocks: int | None = None
-    seed: int = 0
-    sampling_mode: str = "gathered"  # both configs verify the same way; only drafting differs
-
-    def argv(self, speculative_config: dict[str, Any]) -> list[str]:
-        args = ["--tensor-parallel-size", str(self.tensor_parallel_size), "--dtype", self.dtype,
-                "--device", self.device, "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
-                "--sampling-mode", self.sampling_mode, "--speculative-config", json.dumps(speculative_config)]
-        for flag, value in (("--model", self.model), ("--max-model-len", self.max_model_len),
-                            ("--kv-cache-memory-gb", self.kv_cache_memory_gb), ("--num-kv-blocks", self.num_kv_blocks)):
-            if value is not None:
-                args += [flag, str(value)]
-        return args
 
 
 def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -170,6 +148,7 @@ class CompareConfig:
     plot_file: str | None = None  # None: result_file with a .png suffix
     server_timeout_s: float = 900.0
     show_progress: bool = True
+    repeats: int = 1  # rounds over both configurations, in alternating order
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -186,6 +165,8 @@ class CompareConfig:
         if len(set(self.concurrencies)) != len(self.concurrencies):
             raise ValueError(f"concurrencies must not repeat, got {self.concurrencies!r}")
         object.__setattr__(self, "concurrencies", tuple(self.concurrencies))
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s must be > 0, got {self.server_timeout_s!r}")
         if self.plot_file is None:
@@ -196,29 +177,37 @@ class CompareConfig:
 
 
 def run_compare(cfg: CompareConfig) -> dict[str, Any]:
-    """Run every configuration at every concurrency level; write the JSON and the PNG; return the
-    JSON's content (``runs``: one ``bench serve`` result per (config, concurrency), with ``config``)."""
+    """Run every configuration at every concurrency level, ``repeats`` rounds; write the JSON and
+    the PNG; return the JSON's content (``runs``: one ``bench serve`` result per (round, config,
+    concurrency), with ``config`` and ``round``; ``summary``: ``report.summarize`` of them)."""
     runs: list[dict[str, Any]] = []
     stem = os.path.splitext(cfg.result_file)[0]
-    for name, spec in cfg.configs():
-        with ServerProcess(cfg.server.argv(spec), f"{stem}.{name}.server.log") as server:
-            url = server.start(cfg.server_timeout_s)
-            for i, concurrency in enumerate(cfg.concurrencies):
-                w = dataclasses.replace(cfg.workload, max_concurrency=concurrency,
-                                        num_warmups=cfg.workload.num_warmups if i == 0 else 0)
-                logger.info("config %s, max concurrency %d", name, concurrency)
-                result = benchmark(Target(url), w, cfg.show_progress)
-                runs.append({"config": name, "speculative_config": spec, **result})
+    for round_ in range(cfg.repeats):
+        configs = cfg.configs() if round_ % 2 == 0 else cfg.configs()[::-1]
+        for name, spec in configs:
+            log = f"{stem}.{name}.server.log" if cfg.repeats == 1 else f"{stem}.{name}.round{round_}.server.log"
+            with ServerProcess(cfg.server.argv(spec), log) as server:
+                url = server.start(cfg.server_timeout_s)
+                for i, concurrency in enumerate(cfg.concurrencies):
+                    w = dataclasses.replace(cfg.workload, max_concurrency=concurrency,
+                                            num_warmups=cfg.workload.num_warmups if i == 0 else 0)
+                    logger.info("round %d/%d, config %s, max concurrency %d", round_ + 1, cfg.repeats, name, concurrency)
+                    result = benchmark(Target(url), w, cfg.show_progress)
+                    runs.append({"config": name, "round": round_, "speculative_config": spec, **result})
+    summary = summarize(runs)
     out = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "machine": machine_info(),  # the servers', as they ran beside the client
         "server": dataclasses.asdict(cfg.server),
         "speculative_config": cfg.speculative_config,
         "concurrencies": list(cfg.concurrencies),
         "baseline": BASELINE,
+        "repeats": cfg.repeats,
+        "summary": summary,
         "runs": runs,
     }
     write_json(cfg.result_file, out)
-    plot_comparison(runs, cfg.plot_file, title=f"{FLAG}: off ({BASELINE}) vs on ({FLAGGED}), "
+    plot_comparison(summary, cfg.plot_file, title=f"{FLAG}: off ({BASELINE}) vs on ({FLAGGED}), "
                                                 f"TP {cfg.server.tensor_parallel_size}")
     logger.info("wrote %s and %s", cfg.result_file, cfg.plot_file)
     return out

@@ -52,6 +52,7 @@ class RequestRecord:
     output_tokens: int = 0
     success: bool = False
     error: str = ""
+    generated_text: str = ""  # the streamed text, joined
 
     def __post_init__(self) -> None:
         if self.success and not self.chunk_times:

@@ -67,10 +67,10 @@ def format_serve_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _relative(value: float | None, base: float | None) -> str:
+def _change(value: float | None, base: float | None) -> str:
     if value is None or base is None or base == 0:
         return ""
-    return f" ({100 * (value - base) / base:+.1f}%)"
+    return f"{100 * (value - base) / base:+.1f}%"
 
 
 COMPARE_COLUMNS = (
@@ -81,20 +81,52 @@ COMPARE_COLUMNS = (
 )
 
 
-def format_compare_table(runs: Sequence[dict[str, Any]], baseline: str) -> str:
-    """A Markdown table of ``runs`` (each: ``config``, ``max_concurrency`` and the figures), every
-    figure followed by its change against the ``baseline`` config's run at the same concurrency."""
-    base = {r["max_concurrency"]: r for r in runs if r["config"] == baseline}
+def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (config, concurrency), in first-run order: each ``COMPARE_COLUMNS`` figure's
+    mean over the rounds, and its range as ``<key>_min`` / ``<key>_max`` (None where a round lacks it)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["config"], r["max_concurrency"]), []).append(r)
+    rows = []
+    for (config, concurrency), group in groups.items():
+        row: dict[str, Any] = {"config": config, "max_concurrency": concurrency, "rounds": len(group)}
+        for _, key, _ in COMPARE_COLUMNS:
+            values = [r.get(key) for r in group]
+            finite = None in values or any(not math.isfinite(v) for v in values)
+            row[key] = None if finite else sum(values) / len(values)
+            row[f"{key}_min"] = None if finite else min(values)
+            row[f"{key}_max"] = None if finite else max(values)
+        rows.append(row)
+    return rows
+
+
+def format_compare_table(summary: Sequence[dict[str, Any]], baseline: str) -> str:
+    """A Markdown table of ``summarize``'s rows, every figure followed by its change against the
+    ``baseline`` config's at the same concurrency. Over several rounds a figure is the mean with
+    its range, and a change whose ranges overlap the baseline's is marked "within the spread"."""
+    base = {r["max_concurrency"]: r for r in summary if r["config"] == baseline}
     header = ["Config", "Concurrency"] + [title for title, _, _ in COMPARE_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in runs:
+    for r in summary:
         ref = base.get(r["max_concurrency"], {})
         cells = [r["config"], str(r["max_concurrency"])]
         for _, key, digits in COMPARE_COLUMNS:
-            rel = "" if r is ref else _relative(r.get(key), ref.get(key))
-            cells.append(_fmt(r.get(key), digits) + rel)
+            cell = _fmt(r.get(key), digits)
+            if r.get("rounds", 1) > 1 and r.get(key) is not None:
+                cell += f" ({_fmt(r[f'{key}_min'], digits)}–{_fmt(r[f'{key}_max'], digits)})"
+            change = "" if r is ref else _change(r.get(key), ref.get(key))
+            if change and r.get("rounds", 1) > 1 and _overlap(r, ref, key):
+                change += ", within the spread"
+            cells.append(cell + (f" ({change})" if change else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _overlap(a: dict[str, Any], b: dict[str, Any], key: str) -> bool:
+    lo, hi = f"{key}_min", f"{key}_max"
+    if any(r.get(k) is None for r in (a, b) for k in (lo, hi)):
+        return False
+    return a[lo] <= b[hi] and b[lo] <= a[hi]
 
 
 def write_json(path: str, obj: Any) -> None:

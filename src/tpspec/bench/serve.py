@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tpspec.bench.datasets import DATASETS, HUMANEVAL_SIZE, load_prompts
+from tpspec.bench.machine import machine_info
 from tpspec.bench.metrics import (
     MetricsSnapshot,
     RequestRecord,
@@ -165,7 +166,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, heade
     chat = "messages" in payload
     start = time.perf_counter()
     times: list[float] = []
-    text_chunks = 0
+    text_chunks: list[str] = []
     usage: dict = {}
 
     def failed(error: str) -> RequestRecord:
@@ -192,7 +193,8 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, heade
                     text = _chunk_text(choices[0], chat)
                     if times or text or choices[0].get("finish_reason"):
                         times.append(now)
-                        text_chunks += bool(text)
+                        if text:
+                            text_chunks.append(text)
                 usage = event.get("usage") or usage
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
         return failed(f"{type(e).__name__}: {e}")
@@ -201,8 +203,8 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, heade
     return RequestRecord(
         start=start, chunk_times=tuple(times),
         prompt_tokens=int(usage.get("prompt_tokens") or prompt_len),
-        output_tokens=int(usage.get("completion_tokens") or text_chunks),
-        success=True,
+        output_tokens=int(usage.get("completion_tokens") or len(text_chunks)),
+        success=True, generated_text="".join(text_chunks),
     )
 
 
@@ -278,12 +280,14 @@ async def run_benchmark(target: Target, w: Workload, show_progress: bool = True)
     settings["request_rate"] = w.request_rate if math.isfinite(w.request_rate) else "inf"
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "machine": machine_info(),  # where the client ran (the server's machine too, on loopback)
         "base_url": target.base_url,
         "model_id": model,
         **settings,
         **figures.to_dict(),
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens for r in records],
+        "generated_texts": [r.generated_text for r in records],
         "ttfts": [r.ttft if r.success else None for r in records],
         "itls": [r.itl if r.success else [] for r in records],
         "errors": [r.error for r in records],

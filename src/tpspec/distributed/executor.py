@@ -6,7 +6,9 @@ arguments from stdin, so they never re-import the user's main module (a script w
 
 Each step the driver broadcasts the step input over the gloo control group and every rank runs
 the model on it (SPMD). A dead worker breaks the next collective at once (gloo reports the closed
-connection) or is seen by a watchdog thread; either way the engine raises ``EngineDeadError``. A
+connection) or is seen by a watchdog thread; either way the engine raises ``EngineDeadError``. The
+watchdog also tells the ``on_death`` listeners at once, so an idle engine (an ``AsyncEngine``
+waiting for requests) ends without waiting for the next step. A
 worker that exits while the TP group forms fails the start at once. Workers die with the driver
 (PR_SET_PDEATHSIG) and are joined or killed on shutdown, which also runs at interpreter exit.
 
@@ -29,6 +31,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -120,6 +123,8 @@ class Executor:
         self.tp = config.parallel.tensor_parallel_size
         self.workers: list[subprocess.Popen] = []
         self.dead: str | None = None
+        self._death_listeners: list[Callable[[str], None]] = []
+        self._death_lock = threading.Lock()  # a listener is told exactly once, however the race goes
         self._closed = False
         self._step_lock = threading.Lock()  # held while the ranks run a step (shutdown may come from another thread)
         if device_kind == "cuda" and torch.cuda.device_count() < self.tp:
@@ -213,6 +218,26 @@ class Executor:
             shm = get_state().shm
             if shm is not None:  # a shared-memory collective waiting for it gives up now
                 shm.abort_reason = self.dead
+            with self._death_lock:
+                listeners, self._death_listeners = self._death_listeners, []
+            for callback in listeners:
+                self._tell(callback, self.dead)
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once when a worker dies: from the watchdog thread as soon as it
+        sees the death, or at once if one has already died."""
+        with self._death_lock:
+            if not self.dead:
+                self._death_listeners.append(callback)
+                return
+        self._tell(callback, self.dead)
+
+    @staticmethod
+    def _tell(callback: Callable[[str], None], reason: str) -> None:
+        try:
+            callback(reason)
+        except Exception:  # noqa: BLE001 - one listener's failure must not silence the others
+            logger.exception("worker-death listener failed")
 
     def _rpc(self, kind: str, arg) -> None:
         if self.dead:

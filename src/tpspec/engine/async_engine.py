@@ -9,7 +9,8 @@ thread blocks on the queue (no spinning).
 
 If a step fails (``EngineDeadError`` from a dead TP worker, or anything else: the engine's state
 can no longer be trusted), every in-flight request gets the error, new requests are refused with
-it and ``is_healthy`` turns False.
+it and ``is_healthy`` turns False. A TP worker that dies while the engine is idle wakes the
+thread (``LLMEngine.on_worker_death``) and ends the engine the same way, with no request needed.
 
 The queue is bounded: with ``max_waiting_requests`` set, a request that would make more than
 ``max_num_seqs + max_waiting_requests`` requests in flight (running or waiting) is refused with
@@ -331,6 +332,7 @@ class AsyncEngine:
         self._ready.set()
         engine = self.engine
         try:
+            engine.on_worker_death(lambda reason: self._commands.put(("worker-died", reason)))
             self._loop(engine)
         except BaseException as e:  # noqa: BLE001 - any step failure leaves the engine unusable
             if isinstance(e, EngineDeadError):
@@ -408,6 +410,8 @@ class AsyncEngine:
             self._last_stats = stats
             if result.set_running_or_notify_cancel():
                 result.set_result(stats)
+        elif kind == "worker-died":
+            raise EngineDeadError(command[1])
         elif kind == "shutdown":
             return False
         return True

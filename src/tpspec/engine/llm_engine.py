@@ -8,27 +8,18 @@ import time
 
 import torch
 
-from tpspec.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelArchConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    resolve_dtype,
-)
+from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.executor import Executor
 from tpspec.engine.detokenizer import IncrementalDetokenizer
+from tpspec.engine.engine_args import DEVICES, EngineArgs
 from tpspec.engine.kv_cache import BlockManager
 from tpspec.engine.outputs import CompletionOutput, RequestOutput
 from tpspec.engine.scheduler import Scheduler
 from tpspec.engine.sequence import Request, RequestStatus
-from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
 from tpspec.spec_decode.controller import PlanRequest, SpeculationLengthController
 from tpspec.spec_decode.metrics import SpecDecodeStats
-from tpspec.spec_decode.resolve import resolve_drafter
 from tpspec.spec_decode.step_time import StepTimeModel
 from tpspec.tokenizer import Tokenizer
 from tpspec.worker.step import StepOutput
@@ -37,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 def _device_kind(device: str) -> str:
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be one of auto, cpu, cuda; got {device!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -56,6 +47,11 @@ class _Tracked:
         self.logprobs: list[dict[int, float]] | None = [] if req.sampling_params.logprobs is not None else None
         self.num_reported_tokens = 0
         self.pending_text = ""  # finalized text not yet reported
+
+    def take_token(self, token_id: int) -> str | None:
+        """``Request.on_token``: detokenize one output token; the stop string it completed, if any."""
+        self.pending_text += self.detok.update([token_id])
+        return self.detok.finished_by_stop
 
 
 class LLMEngine:
@@ -100,55 +96,16 @@ class LLMEngine:
         return StepTimeModel.from_profile(self.config.speculative.method, self.executor.call("profile_step_time"))
 
     @classmethod
-    def from_args(
-        cls,
-        model: str | None = None,
-        tensor_parallel_size: int = 1,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory_gb: float = 1.0,
-        num_kv_blocks: int | None = None,
-        seed: int = 0,
-        device: str = "auto",
-        enable_chunked_prefill: bool = True,
-        speculative_config: dict | str | SpeculativeConfig | None = None,
-        sampling_mode: str = "gathered",
-        torch_compile: bool = False,
-    ) -> "LLMEngine":
-        device_kind = _device_kind(device)
-        spec = speculative_config
-        if spec is not None and not isinstance(spec, SpeculativeConfig):
-            spec = SpeculativeConfig.from_dict(spec)
-        folder = resolve_model(model)
-        arch = ModelArchConfig.from_folder(folder)
-        draft_arch = None
-        if spec is not None:
-            spec, draft_arch = resolve_drafter(spec, folder, arch)
-        config = EngineConfig(
-            model=folder,
-            arch=arch,
-            dtype=resolve_dtype(dtype, device_kind),
-            seed=seed,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            cache=CacheConfig(block_size=block_size, num_gpu_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len or arch.max_position_embeddings,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            speculative=spec,
-            draft_arch=draft_arch,
-            sampling_mode=sampling_mode,
-            torch_compile=torch_compile,
-        )
+    def from_args(cls, **engine_args) -> "LLMEngine":
+        """An engine from ``EngineArgs`` keywords (``LLM``'s); an unknown keyword is a ``TypeError``
+        naming it, a bad value a ``ValueError``."""
+        args = EngineArgs(**engine_args)
+        device_kind = _device_kind(args.device)
+        config = args.create_engine_config(device_kind)
         from tpspec.models.registry import get_model_class
 
-        get_model_class(arch.architecture)  # unsupported architecture: fail before spawning anything
-        return cls(config, Tokenizer.from_pretrained(folder), device_kind)
+        get_model_class(config.arch.architecture)  # unsupported architecture: fail before spawning anything
+        return cls(config, Tokenizer.from_pretrained(config.model), device_kind)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -185,7 +142,8 @@ class LLMEngine:
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
-        self._tracked[request_id] = _Tracked(req, text, IncrementalDetokenizer(self.tokenizer, ids, params))
+        tracked = self._tracked[request_id] = _Tracked(req, text, IncrementalDetokenizer(self.tokenizer, ids, params))
+        req.on_token = tracked.take_token
         self.scheduler.add_request(req)
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(ids)
@@ -247,16 +205,7 @@ class LLMEngine:
                     entry = dict(lp.top)
                     entry[token] = lp.token_logprob
                     tracked.logprobs.append(entry)
-            tracked.pending_text += tracked.detok.update(new_tokens)
-            if tracked.detok.finished_by_stop is not None:
-                # Tokens after the one that completed the stop string are never emitted.
-                del req.output_token_ids[tracked.detok.num_output_tokens :]
-                if tracked.logprobs is not None:
-                    del tracked.logprobs[tracked.detok.num_output_tokens :]
-                if not req.status.finished:
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tracked.detok.finished_by_stop
-            self.stats["num_generation_tokens"] += len(req.output_token_ids) - before
+            self.stats["num_generation_tokens"] += emitted
             outputs.append(self._output(tracked))
         return outputs
 
@@ -317,6 +266,11 @@ class LLMEngine:
         return {
             site: stats.get(site, {}).get("bytes", 0) / rows for site, rows in comm.get_row_stats().items() if rows
         }
+
+    def on_worker_death(self, callback) -> None:
+        """Call ``callback(reason)`` once, from another thread, as soon as a TP worker dies
+        (``Executor.on_death``); the engine's next call raises ``EngineDeadError`` either way."""
+        self.executor.on_death(callback)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -58,7 +58,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -68,7 +67,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (abort, stop string, error): free its blocks and forget it."""
+        """End a request (abort, error, or a stop found by ``update``): free its blocks and forget it."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -88,8 +87,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_spec_tokens = 0  # the ranks' drafts are dropped by the recompute
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _kv_tokens(self, num_tokens: int) -> int:
@@ -151,7 +148,9 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: StepOutput) -> list[tuple[Request, int]]:
         """Apply a step's verified tokens; returns (request, number of new tokens) for each request
-        that gained tokens. A request that stops inside an accepted run keeps no token past the stop."""
+        that gained tokens. The one place a request ends by its output (``Request.check_stop``:
+        stop strings, EOS, stop token ids, max_tokens); one that stops inside an accepted run
+        keeps no token past the stop."""
         touched = []
         for i, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
             if req.status.finished:  # aborted while the step ran

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpspec.sampling_params import SamplingParams
@@ -35,8 +36,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Takes each appended output token (the engine's detokenizer); returns the stop string the
+    # token's text completed, if any. None: no text is watched.
+    on_token: Callable[[int], str | None] | None = field(default=None, repr=False)
     num_spec_tokens: int = 0  # drafts the ranks hold for it, verifiable in its next step
     num_blocks_on_ranks: int = -1  # how many of block_ids the ranks know; -1: the ranks have not seen it
 
@@ -65,9 +68,15 @@ class Request:
         return max(0, min(self.max_tokens - len(self.output_token_ids) - 1, max_model_len - self.num_tokens))
 
     def check_stop(self, token_id: int) -> bool:
-        """After appending ``token_id``: set a finished status if it ends the request."""
+        """After appending ``token_id``: set a finished status if it ends the request (a stop
+        string its text completed, EOS, a stop token id, ``max_tokens``). The scheduler calls
+        it for every token and owns the decision: tokens after the one that ends a request are
+        never appended."""
         params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        stop = self.on_token(token_id) if self.on_token is not None else None
+        if stop is not None:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif token_id in params.stop_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id

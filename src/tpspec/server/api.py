@@ -11,18 +11,16 @@ Per-request limits are in ``limits``; a full engine queue is a 429 with Retry-Af
 past its deadline ends with 504 ``request_timeout``. A failure after a stream has started arrives
 as a last ``data: {"error": ...}`` event before ``[DONE]``. A client that goes away, mid-stream
 or while waiting for a non-streamed answer, aborts its request (its KV blocks are freed at once).
-Request ids, request logs and error counters: ``middleware``; shutdown: ``lifecycle``.
+Request ids, request logs and error counters: ``middleware``; ``tpspec serve`` and shutdown: ``lifecycle``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -39,7 +37,6 @@ from tpspec.distributed.executor import EngineDeadError
 from tpspec.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
 from tpspec.engine.outputs import RequestOutput
 from tpspec.sampling_params import SamplingParams
-from tpspec.server.args import API_KEY_ENV, server_limits
 from tpspec.server.limits import ServerLimits
 from tpspec.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpspec.server.middleware import APIKeyMiddleware, RequestContextMiddleware, error_kind, record_error
@@ -527,45 +524,3 @@ def build_app(
                            expose_headers=["X-Request-Id", "Retry-After"])
     app.add_middleware(RequestContextMiddleware, metrics=server.metrics)
     return app
-
-
-# ---- `tpspec serve` -------------------------------------------------------------------------------
-def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    """Build the engine (on its own thread), then serve until SIGINT/SIGTERM or engine death;
-    returns the exit status (``lifecycle``)."""
-    import uvicorn
-
-    from tpspec.server.lifecycle import check_grace_period, serve
-
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"the model is given twice and differently: {args.model_tag!r} and --model {args.model!r}")
-        engine_args["model"] = args.model_tag
-    if args.trust_remote_code:
-        logger.info("--trust-remote-code has no effect: tpspec runs no code from model folders")
-    if args.gpu_memory_utilization is not None:
-        logger.info("--gpu-memory-utilization is ignored: size the KV cache with --kv-cache-memory-gb or --num-kv-blocks")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    limits = server_limits(args)  # bad flag values fail before the engine is built
-    check_grace_period(args.shutdown_grace_period)
-    model = engine_args.get("model")
-    if args.served_model_name:
-        names = args.served_model_name
-    elif model is not None:
-        names = [model]
-    else:
-        from tpspec.default_model import DEFAULT_MODEL_FILE
-
-        names = [DEFAULT_MODEL_FILE.split(".")[0]]
-
-    engine = AsyncEngine.from_args(max_waiting_requests=args.max_waiting_requests, **engine_args)
-    try:
-        app = build_app(engine, names, api_key=api_key, model_path=model, limits=limits,
-                        allowed_origins=args.allowed_origins)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
-                                server_header=False)
-        description = f"model {names[0]}" + (", API key required" if api_key else "")
-        return serve(engine, config, args.shutdown_grace_period, description)
-    finally:
-        engine.shutdown()

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn: a graceful drain on SIGTERM, and a stop when the engine dies.
+"""``tpspec serve``: the engine and the app under uvicorn, a graceful drain on SIGTERM, and a stop
+when the engine dies.
 
 On SIGTERM (or a first Ctrl-C) the listening socket closes at once, idle connections close, a
 request still arriving on an open connection gets 503 ``server_shutting_down`` with Retry-After,
@@ -14,15 +15,20 @@ supervisor to restart it. It never waits on a dead engine and leaves no process 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import threading
+from typing import Any
 
 import uvicorn
 
 from tpspec.engine.async_engine import AsyncEngine
+from tpspec.server.api import build_app
+from tpspec.server.args import API_KEY_ENV, server_limits
 from tpspec.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -107,3 +113,41 @@ def serve(engine: AsyncEngine, config: uvicorn.Config, grace_s: float, descripti
     finally:
         signal.signal(signal.SIGTERM, previous)
     return server.exit_code
+
+
+# ---- `tpspec serve` -------------------------------------------------------------------------------
+def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    """Build the engine (on its own thread), then serve until SIGINT/SIGTERM or engine death;
+    returns the exit status (``lifecycle``)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice and differently: {args.model_tag!r} and --model {args.model!r}")
+        engine_args["model"] = args.model_tag
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code has no effect: tpspec runs no code from model folders")
+    if args.gpu_memory_utilization is not None:
+        logger.info("--gpu-memory-utilization is ignored: size the KV cache with --kv-cache-memory-gb or --num-kv-blocks")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    limits = server_limits(args)  # bad flag values fail before the engine is built
+    check_grace_period(args.shutdown_grace_period)
+    model = engine_args.get("model")
+    if args.served_model_name:
+        names = args.served_model_name
+    elif model is not None:
+        names = [model]
+    else:
+        from tpspec.default_model import DEFAULT_MODEL_FILE
+
+        names = [DEFAULT_MODEL_FILE.split(".")[0]]
+
+    engine = AsyncEngine.from_args(max_waiting_requests=args.max_waiting_requests, **engine_args)
+    try:
+        app = build_app(engine, names, api_key=api_key, model_path=model, limits=limits,
+                        allowed_origins=args.allowed_origins)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                                server_header=False)
+        description = f"model {names[0]}" + (", API key required" if api_key else "")
+        return serve(engine, config, args.shutdown_grace_period, description)
+    finally:
+        engine.shutdown()

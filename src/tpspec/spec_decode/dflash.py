@@ -57,8 +57,7 @@ class DFlashSpeculator(DraftModelSpeculator):
     def _tp_context(self):
         """With draft_tensor_parallel_size=1 the draft layers are replicated (built and run as TP 1);
         the borrowed embedding and LM head stay vocab-parallel either way."""
-        replicated = self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
-        return single_rank() if replicated else contextlib.nullcontext()
+        return single_rank() if self.replicated_draft else contextlib.nullcontext()
 
     def _build_model(self, target_model: torch.nn.Module) -> torch.nn.Module:
         cfg = self.dflash_config

@@ -17,8 +17,8 @@ from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, Draf
 class DraftModelProposer(DraftModelSpeculator):
     @property
     def replicated_lm_head(self) -> bool:
-        """A draft with draft_tensor_parallel_size=1 is replicated, its LM head included."""
-        return self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
+        """A replicated draft model is replicated whole, its LM head included."""
+        return self.replicated_draft
 
     def _tp_context(self):
         """A replicated draft is built and run as TP 1."""

@@ -50,11 +50,9 @@ class Eagle3Proposer(DraftModelSpeculator):
         """The midlayer follows draft_tensor_parallel_size (1: replicated, else split like the
         target); the embedding and the draft LM head are vocab-parallel either way."""
         folder = self.spec_config.model
-        tp = self.engine_config.parallel.tensor_parallel_size
-        replicated = self.spec_config.draft_tensor_parallel_size == 1 and tp > 1
         target_embed = None if self.ships_embedding else target_model.embed_tokens
         with torch.device(self.device):
-            model = Eagle3LlamaForCausalLM(self.eagle_config, target_model.config, target_embed, target_model.dtype, replicated)
+            model = Eagle3LlamaForCausalLM(self.eagle_config, target_model.config, target_embed, target_model.dtype, self.replicated_draft)
         model.load_weights(iterate_weights(folder, show_progress=get_tp_rank() == 0))
         model.eval()
         (self.kv_cache,) = self._allocate_kv(model, 1)  # one midlayer

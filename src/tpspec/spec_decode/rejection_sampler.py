@@ -16,7 +16,7 @@ same numbers) and q_j the draft's:
   2. at the first rejection emit ``argmax(log max(p_j - q_j, 0) + gumbel(seed, position_j, id,
      RESIDUAL))``, a draw from norm(max(p - q, 0)), and stop. Greedy drafts (no
      ``draft_probs``) have q = a point mass on d_j: the residual is p_j with d_j removed, drawn
-     as ``argmax(processed_j with d_j masked + gumbel(RESIDUAL))``;
+     as ``argmax(log p_j with d_j masked + gumbel(RESIDUAL))``, the same numbers as a one-hot q;
   3. if all k_i are accepted, emit ``argmax(processed_bonus + gumbel(seed, position, id,
      SAMPLE))``: what the plain Sampler draws at that position, so k_i = 0 is the Sampler.
 
@@ -106,6 +106,16 @@ def residual_log(
 ) -> torch.Tensor:
     """log max(p − q, 0), ``[n, m]``: logits of the residual distribution norm(max(p − q, 0))."""
     return (p - q).clamp_(min=0).log_()
+
+
+def point_residual_log(
+    p: torch.Tensor,  # [n, m] float32, target probabilities
+    is_draft: torch.Tensor,  # [n, m] bool, the rejected draft's column (none on a shard without it)
+) -> torch.Tensor:
+    """``residual_log(p, q)`` for q a point mass on the rejected draft, bit for bit (so greedy
+    drafts verified as one-hot q rows beside probabilistic ones draw the same tokens), without
+    building q: log p with the draft removed."""
+    return p.log().masked_fill_(is_draft, -torch.inf)
 
 
 class RejectionSampler:
@@ -233,12 +243,12 @@ class RejectionSampler:
         A row whose residual is all zero (p <= q everywhere, which only rounding can make
         rejectable) falls back to p.
         """
-        rows = torch.arange(proc.shape[0], device=proc.device)
+        p = probs(proc, row_max, total)  # [n, vocab]
         if draft_dists is None:
-            residual = proc.clone()
-            residual[rows, rejected] = -torch.inf
+            is_draft = torch.arange(proc.shape[-1], device=proc.device) == rejected.unsqueeze(-1)  # [n, vocab]
+            residual = point_residual_log(p, is_draft)
         else:
-            residual = residual_log(probs(proc, row_max, total), draft_dists.float())
+            residual = residual_log(p, draft_dists.float())
         empty = torch.isneginf(residual.amax(dim=-1))  # [n]
         if bool(empty.any()):
             residual = torch.where(empty.unsqueeze(-1), proc, residual)

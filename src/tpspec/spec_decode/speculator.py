@@ -89,6 +89,12 @@ class DraftModelSpeculator:
     replicated_lm_head: bool = False
 
     @property
+    def replicated_draft(self) -> bool:
+        """``draft_tensor_parallel_size`` 1 under TP > 1: the drafter's own layers are whole on
+        every rank (built and run as TP 1)."""
+        return self.spec_config.draft_tensor_parallel_size == 1 and self.engine_config.parallel.tensor_parallel_size > 1
+
+    @property
     def dists_sharded(self) -> bool:
         """Whether a probabilistic draft's q is kept as this rank's vocab columns (the flag with a
         vocab-parallel LM head) rather than full width."""

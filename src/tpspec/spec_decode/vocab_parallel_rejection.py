@@ -47,7 +47,7 @@ from tpspec.sample.vocab_parallel import (
     owned_values,
     processed,
 )
-from tpspec.spec_decode.rejection_sampler import RejectionOutput, check_inputs, residual_log
+from tpspec.spec_decode.rejection_sampler import RejectionOutput, check_inputs, point_residual_log, residual_log
 
 
 @dataclass
@@ -207,10 +207,11 @@ class VocabParallelRejectionSampler:
 
         rej = _Rejections.cat(rejections) if rejections else None
         if rej is not None:
+            p = probs(rej.proc, rej.row_max, rej.total)  # [n_rej, shard_size]
             if draft_dists is None:  # greedy drafts: p without d
-                residual = rej.proc.masked_fill(ids == draft_token_ids[rej.drafts].unsqueeze(-1), -torch.inf)
+                residual = point_residual_log(p, ids == draft_token_ids[rej.drafts].unsqueeze(-1))
             else:
-                residual = residual_log(probs(rej.proc, rej.row_max, rej.total), draft_dists.index_select(0, rej.drafts).float())
+                residual = residual_log(p, draft_dists.index_select(0, rej.drafts).float())
             noise = gumbel(metadata.seeds[rej.rows], metadata.positions[rej.rows], ids, RESIDUAL)  # [n_rej, shard_size]
             value[slot[rej.requests]], gid[slot[rej.requests]] = local_best(noise + residual, target.vocab_start)
             has_residual[rej.requests] = True

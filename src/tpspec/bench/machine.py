@@ -1,5 +1,7 @@
-"""What a benchmark result was measured on and with: CPU model and ISA flags, cores, torch and its
-threads, the commit (and whether the tree was dirty), the command line. Every result file records it."""
+"""What a benchmark result was measured on and with: CPU model and ISA flags, cores, Python, torch
+and its threads, the commit (and whether the tree was dirty; None outside a git checkout), the
+command line. Every result file of ``benchmarks/`` and ``tpspec bench`` records it: figures from
+two CPUs are never one ratio."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ import os
 import platform
 import subprocess
 import sys
-
-import torch
 
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
 
@@ -39,6 +39,8 @@ def _git(*args: str) -> str | None:
 
 
 def machine_info() -> dict:
+    import torch  # here: ``tpspec bench serve`` measures any server and need not load torch otherwise
+
     model, flags = _cpu()
     status = _git("status", "--porcelain")
     return {
@@ -46,6 +48,7 @@ def machine_info() -> dict:
         "isa": flags,
         "avx512": any(f.startswith("avx512") for f in flags),
         "cores": os.cpu_count(),
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),

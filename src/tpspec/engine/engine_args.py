@@ -1,0 +1,129 @@
+"""Every engine option a user sets, in one frozen dataclass.
+
+``LLM``'s keywords, ``LLMEngine.from_args`` and the engine flags of ``tpspec generate``/``serve``
+(and the ones ``tpspec bench compare`` passes to its servers) are all built from ``EngineArgs``,
+and its defaults are the engine configs' own (``config.py``): each default lives in one place.
+Kept free of heavy imports (the CLI parses with it); building the config loads what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpspec.config import (
+    SAMPLING_MODES,
+    SUPPORTED_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _config_default(cls: type, name: str) -> Any:
+    return next(f for f in dataclasses.fields(cls) if f.name == name).default
+
+
+def _option(default: Any, help: str, type: Any = None, choices: tuple | None = None, flags: tuple[str, ...] = (),
+            cli: bool = True) -> Any:
+    """A field of ``EngineArgs`` with what its command-line flag needs (``type``: the flag's
+    parser; flags: extra spellings; ``cli=False``: no flag)."""
+    return field(default=default, metadata=dict(help=help, type=type, choices=choices, flags=flags, cli=cli))
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = _option(
+        None, "a .gguf file or a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)", str)
+    tensor_parallel_size: int = _option(
+        _config_default(ParallelConfig, "tensor_parallel_size"), "ranks the model is split over", int, flags=("-tp",))
+    dtype: str = _option("auto", "auto = float32 on CPU, bfloat16 on CUDA", str, SUPPORTED_DTYPES)
+    device: str = _option("auto", "auto = CUDA when available", str, DEVICES)
+    max_model_len: int | None = _option(None, "longest prompt + output (default: the model's context length)", int)
+    max_num_seqs: int = _option(_config_default(SchedulerConfig, "max_num_seqs"), "most requests running at once", int)
+    max_num_batched_tokens: int = _option(
+        _config_default(SchedulerConfig, "max_num_batched_tokens"), "most tokens in one step (chunked prefill splits longer prompts)", int)
+    block_size: int = _option(_config_default(CacheConfig, "block_size"), "tokens per KV cache block", int)
+    kv_cache_memory_gb: float = _option(
+        _config_default(CacheConfig, "kv_cache_memory_gb"), "KV cache size in GiB (per engine, all layers)", float)
+    num_kv_blocks: int | None = _option(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)", int)
+    seed: int = _option(_config_default(EngineConfig, "seed"), "seed of requests that set none", int)
+    enable_chunked_prefill: bool = _option(
+        _config_default(SchedulerConfig, "enable_chunked_prefill"), "split long prompts over steps", cli=False)
+    speculative_config: dict | str | SpeculativeConfig | None = _option(
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'', str)
+    sampling_mode: str = _option(
+        _config_default(EngineConfig, "sampling_mode"), "vocab-parallel: every rank samples and verifies from its own "
+        "vocab shard, O(tp) bytes per row instead of O(vocab); same tokens", str, SAMPLING_MODES)
+    torch_compile: bool = _option(
+        _config_default(EngineConfig, "torch_compile"), "run decode steps through torch.compile'd decoder layers: "
+        "faster on CPU; compiles at start-up (tens of seconds, cached on disk)")
+
+    # ---- the command line ---------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, only: tuple[str, ...] | None = None,
+                     defaults: dict[str, Any] | None = None, help: dict[str, str] | None = None) -> None:
+        """A flag per field (``--max-num-seqs`` for ``max_num_seqs``); ``only`` these fields, with
+        ``defaults`` and ``help`` replacing the dataclass's where given."""
+        defaults, help = defaults or {}, help or {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if not meta["cli"] or (only is not None and f.name not in only):
+                continue
+            names = ("--" + f.name.replace("_", "-"), *meta["flags"])
+            default = defaults.get(f.name, f.default)
+            text = help.get(f.name, meta["help"])
+            if meta["type"] is None:  # a switch, off by default
+                parser.add_argument(*names, action="store_true", help=text)
+            else:
+                parser.add_argument(*names, type=meta["type"], default=default, choices=meta["choices"], help=text)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata["cli"]})
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options as ``LLM`` / ``LLMEngine.from_args`` keywords."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # ---- the engine's configuration -------------------------------------------------------------
+    def create_engine_config(self, device_kind: str) -> EngineConfig:
+        """The validated ``EngineConfig`` (model and drafter resolved and read) for ``device_kind``
+        ("cpu" or "cuda", from ``resolve_device``)."""
+        from tpspec.config import ModelArchConfig, resolve_dtype
+        from tpspec.models.loader.resolve import resolve_model
+        from tpspec.spec_decode.resolve import resolve_drafter
+
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_dict(spec)
+        folder = resolve_model(self.model)
+        arch = ModelArchConfig.from_folder(folder)
+        draft_arch = None
+        if spec is not None:
+            spec, draft_arch = resolve_drafter(spec, folder, arch)
+        return EngineConfig(
+            model=folder,
+            arch=arch,
+            dtype=resolve_dtype(self.dtype, device_kind),
+            seed=self.seed,
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            cache=CacheConfig(block_size=self.block_size, num_gpu_blocks=self.num_kv_blocks,
+                              kv_cache_memory_gb=self.kv_cache_memory_gb),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len or arch.max_position_embeddings,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            speculative=spec,
+            draft_arch=draft_arch,
+            sampling_mode=self.sampling_mode,
+            torch_compile=self.torch_compile,
+        )
