@@ -7,6 +7,11 @@ of the same prompts.
 c HumanEval prompts (from index ``--first-prompt``) start together, greedy, ``--max-tokens``
 each; only steps in which all c requests decode (no prefill, none finished yet) count.
 
+With ``--flowing N``, N prompts instead, at most c in flight (a finished request is replaced, as
+when serving), and every step counts: a second table gives, per kind of step (with or without
+prefill rows, proposing drafts or not), the number of steps, their mean and maximum and their
+total seconds, so that the whole run's difference between two configurations can be placed.
+
   python3 benchmarks/profile_spec_step.py --concurrency 1 8 --result-file benchmarks/results/profile_spec_step.json
 """
 
@@ -32,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--first-prompt", type=int, default=64)
+    p.add_argument("--flowing", type=int, default=None, metavar="N",
+                   help="N prompts with at most c in flight, every step counted by kind (see above)")
     p.add_argument("--result-file", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "spec|c": one run, in this process
     return p.parse_args(argv)
@@ -44,7 +51,8 @@ def worker(args) -> None:
 
     spec_json, c = args.worker.rsplit("|", 1)
     spec, c = json.loads(spec_json), int(c)
-    prompts = humaneval_prompts(args.first_prompt + c)[args.first_prompt :]
+    n = args.flowing or c
+    prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
     engine = LLMEngine.from_args(speculative_config=spec, max_num_seqs=max(64, c))
     runner = engine.executor.runner  # TP 1: the runner lives in this process
     current: dict[str, float] = {}
@@ -70,6 +78,7 @@ def worker(args) -> None:
     timed(runner, "_verify", "verify")
     timed(runner, "_propose", "propose")
     by_verified: dict[int, list[dict]] = defaultdict(list)
+    by_kind: dict[str, list[float]] = defaultdict(list)  # every step's seconds, by step_kind
     execute = runner.execute
 
     def execute_timed(step):
@@ -79,6 +88,7 @@ def worker(args) -> None:
         current["total"] = time.perf_counter() - t0
         if len(step.seqs) == c and all(s.num_new_tokens == 1 for s in step.seqs):
             by_verified[sum(s.num_spec for s in step.seqs)].append(dict(current))
+        by_kind[step_kind(step)].append(current["total"])
         return out
 
     runner.execute = execute_timed
@@ -87,10 +97,12 @@ def worker(args) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         by_verified.clear()
+        by_kind.clear()
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(p, params)
-        while engine.has_unfinished_requests():
+        pending = list(prompts)
+        while pending or engine.has_unfinished_requests():
+            while pending and engine.get_stats()["num_running"] + engine.get_stats()["num_waiting"] < c:
+                engine.add_request(pending.pop(0), params)
             engine.step()
     finally:
         engine.shutdown()
@@ -99,7 +111,16 @@ def worker(args) -> None:
         med = {k: 1000 * statistics.median(s.get(k, 0.0) for s in steps) for k in (*PHASES, "total")}
         med["other"] = med["total"] - sum(med[k] for k in PHASES)
         rows.append({"verified_drafts": verified, "steps": len(steps), "ms": med})
-    print("RESULT " + json.dumps({"speculative_config": spec, "concurrency": c, "rows": rows}), flush=True)
+    kinds = {kind: {"steps": len(t), "mean_ms": 1000 * statistics.fmean(t), "max_ms": 1000 * max(t), "total_s": sum(t)}
+             for kind, t in sorted(by_kind.items())}
+    print("RESULT " + json.dumps({"speculative_config": spec, "concurrency": c, "rows": rows, "kinds": kinds}), flush=True)
+
+
+def step_kind(step) -> str:
+    """The step's kind: "prefill" if any request feeds more than one real token, else "decode";
+    with " + drafts" if any request proposes drafts for its next step."""
+    kind = "prefill" if any(s.num_new_tokens > 1 for s in step.seqs) else "decode"
+    return kind + (" + drafts" if any(s.num_draft for s in step.seqs) else "")
 
 
 def main(argv=None) -> int:
@@ -111,7 +132,7 @@ def main(argv=None) -> int:
     for c in args.concurrency:
         for spec in ("null", args.speculative_config):
             cmd = [sys.executable, __file__, "--worker", f"{spec}|{c}", "--max-tokens", str(args.max_tokens),
-                   "--first-prompt", str(args.first_prompt)]
+                   "--first-prompt", str(args.first_prompt)] + (["--flowing", str(args.flowing)] if args.flowing else [])
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-4000:])
@@ -124,9 +145,18 @@ def main(argv=None) -> int:
             m = row["ms"]
             print(f"| {name} | {r['concurrency']} | {row['verified_drafts']} | {row['steps']} | {m['forward']:.1f} "
                   f"| {m['logits']:.1f} | {m['verify']:.1f} | {m['propose']:.1f} | {m['other']:.1f} | {m['total']:.1f} |")
+    if args.flowing:
+        print("\n| Config | c | Step kind | Steps | Mean (ms) | Max (ms) | Total (s) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in results:
+            name = "plain" if r["speculative_config"] is None else r["speculative_config"]["method"]
+            for kind, k in r["kinds"].items():
+                print(f"| {name} | {r['concurrency']} | {kind} | {k['steps']} | {k['mean_ms']:.1f} | {k['max_ms']:.1f} "
+                      f"| {k['total_s']:.2f} |")
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({"machine": machine_info(), "max_tokens": args.max_tokens, "results": results}, f, indent=1)
+            json.dump({"machine": machine_info(), "max_tokens": args.max_tokens, "flowing": args.flowing,
+                       "results": results}, f, indent=1)
     return 0
 
 
