@@ -92,10 +92,10 @@ def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"config": config, "max_concurrency": concurrency, "rounds": len(group)}
         for _, key, _ in COMPARE_COLUMNS:
             values = [r.get(key) for r in group]
-            finite = None in values or any(not math.isfinite(v) for v in values)
-            row[key] = None if finite else sum(values) / len(values)
-            row[f"{key}_min"] = None if finite else min(values)
-            row[f"{key}_max"] = None if finite else max(values)
+            missing = None in values or any(not math.isfinite(v) for v in values)
+            row[key] = None if missing else sum(values) / len(values)
+            row[f"{key}_min"] = None if missing else min(values)
+            row[f"{key}_max"] = None if missing else max(values)
         rows.append(row)
     return rows
 
