@@ -56,6 +56,14 @@ def _rest(resp) -> list[bytes]:
     return [line[6:].strip() for line in resp.read().splitlines() if line.startswith(b"data: ")]
 
 
+def _assert_stopped_for_the_death(proc: ServerProcess, workers: list[psutil.Process]) -> None:
+    """The server saw its worker die, stopped cleanly (not a crash) and left no worker behind."""
+    assert not _alive(workers[0])
+    log = open(proc.log_path).read()
+    assert "died" in log and "stopping the server" in log and "engine shut down" in log
+    assert "Traceback" not in log.split("stopping the server", 1)[1]  # a clean stop, not a crash
+
+
 def _background(fn):
     box = {}
     thread = threading.Thread(target=lambda: box.update(result=fn()), daemon=True)
@@ -88,10 +96,7 @@ def test_worker_killed_mid_generation(tiny_llama, tmp_path):
         assert proc.proc.wait(30) == 1
     finally:
         proc.stop()
-    assert not _alive(workers[0])
-    log = open(proc.log_path).read()
-    assert "died" in log and "stopping the server" in log and "engine shut down" in log
-    assert "Traceback" not in log.split("stopping the server", 1)[1]  # a clean stop, not a crash
+    _assert_stopped_for_the_death(proc, workers)
 
 
 def test_worker_killed_while_idle(tiny_llama, tmp_path):
@@ -114,9 +119,7 @@ def test_worker_killed_while_idle(tiny_llama, tmp_path):
         assert proc.proc.wait(15) == 1
     finally:
         proc.stop()
-    assert not _alive(workers[0])
-    log = open(proc.log_path).read()
-    assert "died" in log and "stopping the server" in log and "engine shut down" in log
+    _assert_stopped_for_the_death(proc, workers)
 
 
 def test_sigterm_finishes_the_request_in_flight(tiny_llama, tmp_path):
