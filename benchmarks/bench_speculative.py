@@ -22,6 +22,14 @@ figure is also given as a ratio to plain decoding at the same concurrency, with 
 range of the per-segment ratios (each segment against plain decoding's run of the same prompts,
 seconds apart); every run's greedy tokens are compared with plain decoding's.
 
+How far two processes running the same thing differ is itself large here: with ``--twin``, a
+second plain-decoding configuration (``plain-twin``, a configuration like any other) shows the
+method's noise floor in the same table. With ``--one-process`` (TP 1 only: a process holds at
+most one TP group), every configuration's engine lives in one process instead, so the
+configurations share the allocator, the threads and the memory placement; measured beside a twin
+on this machine, its per-segment ratios spread several times less than those of separate processes
+(benchmarks/README.md).
+
   python3 benchmarks/bench_speculative.py --tp 1 --result-file benchmarks/results/speculative_tp1.json
 """
 
@@ -63,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--first-prompt", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="passes over each level's prompts")
     p.add_argument("--result-file", default=None)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
+    p.add_argument("--twin", action="store_true", help="add plain-twin, a second plain decoding: the noise floor")
+    p.add_argument("--one-process", action="store_true", help="every configuration in one process (TP 1 only)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # {name: spec}: these configurations, in this process
     return p.parse_args(argv)
 
 
@@ -114,36 +124,43 @@ def spec_delta(before: dict, after: dict) -> dict:
 
 
 def worker(args) -> None:
-    """One configuration: load it, say READY, then run each segment asked for on standard input
-    (``{"concurrency": c, "start": i, "end": j}``, prompts i … j − 1) and print its result."""
+    """Some configurations (``--worker``: {name: spec}): load each, one after the other, say
+    READY, then run each segment asked for on standard input (``{"config": name, "concurrency":
+    c, "start": i, "end": j}``, prompts i … j − 1) and print its result."""
     from tpspec.bench.datasets import humaneval_prompts
     from tpspec.engine.llm_engine import LLMEngine
     from tpspec.sampling_params import SamplingParams
 
-    spec = json.loads(args.worker)
+    specs = json.loads(args.worker)
     n = max(num_prompts(args, c) for c in args.concurrency)
     prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    engine = LLMEngine.from_args(tensor_parallel_size=args.tp, speculative_config=spec, max_num_seqs=max(64, *args.concurrency))
+    engines = {}
     try:
-        run_level(engine, prompts[:1], 1, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        for name, spec in specs.items():
+            engines[name] = LLMEngine.from_args(
+                tensor_parallel_size=args.tp, speculative_config=spec, max_num_seqs=max(64, *args.concurrency)
+            )
+            run_level(engines[name], prompts[:1], 1, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
         print("READY", flush=True)
         for line in sys.stdin:
             job = json.loads(line)
+            engine = engines[job["config"]]
             before = engine.get_stats()
             res = run_level(engine, prompts[job["start"] : job["end"]], job["concurrency"], params)
             res.update(spec_delta(before, engine.get_stats()))
             print("RESULT " + json.dumps(res), flush=True)
     finally:
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
 
 
-class Worker:
-    """A configuration's process, kept alive between segments."""
+class Process:
+    """A process running some configurations (``worker``), kept alive between segments."""
 
-    def __init__(self, args, name: str, spec: dict | None):
-        self.name, self.spec = name, spec
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec), "--tp", str(args.tp),
+    def __init__(self, args, specs: dict[str, dict | None]):
+        self.names = ", ".join(specs)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(specs), "--tp", str(args.tp),
                "--max-tokens", str(args.max_tokens), "--first-prompt", str(args.first_prompt),
                "--concurrency", *map(str, args.concurrency)]
         if args.num_prompts:
@@ -155,10 +172,10 @@ class Worker:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
-        raise SystemExit(f"{self.name} exited with {self.proc.wait()} (its log is above)")
+        raise SystemExit(f"the process of {self.names} exited with {self.proc.wait()} (its log is above)")
 
-    def run(self, concurrency: int, start: int, end: int) -> dict:
-        self.proc.stdin.write(json.dumps({"concurrency": concurrency, "start": start, "end": end}) + "\n")
+    def run(self, name: str, concurrency: int, start: int, end: int) -> dict:
+        self.proc.stdin.write(json.dumps({"config": name, "concurrency": concurrency, "start": start, "end": end}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self._expect("RESULT "))
 
@@ -172,6 +189,8 @@ def main(argv=None) -> int:
     if args.worker is not None:
         worker(args)
         return 0
+    if args.one_process and args.tp != 1:
+        raise SystemExit("--one-process needs --tp 1: a process holds at most one TP group")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     machine = machine_info()
     todo = configs(args.methods, args.ks)
@@ -179,29 +198,38 @@ def main(argv=None) -> int:
         todo = {name: todo[name] for name in args.configs}
     # Plain decoding first, then the adaptive configurations: run next to plain in every segment
     # (forward and backward), their ratios to it are the least exposed to the machine's drift.
-    todo = {"plain": None, **{n: s for n, s in todo.items() if n.endswith("-adaptive")},
+    # The twin next: its ratio to plain is taken as far apart as the adaptive configurations' are.
+    twin = {"plain-twin": None} if args.twin else {}
+    todo = {"plain": None, **{n: s for n, s in todo.items() if n.endswith("-adaptive")}, **twin,
             **{n: s for n, s in todo.items() if n != "plain" and not n.endswith("-adaptive")}}
-    workers = []
+    processes, run_in = [], {}  # run_in: the process of each configuration
     try:
-        for name, spec in todo.items():  # one at a time: no start-up profile beside another process's work
-            logger.info("starting %s: %s", name, spec)
-            workers.append(Worker(args, name, spec))
+        if args.one_process:
+            logger.info("starting one process for %s", ", ".join(todo))
+            processes.append(Process(args, todo))
+            run_in = dict.fromkeys(todo, processes[0])
+        else:
+            for name, spec in todo.items():  # one at a time: no start-up profile beside another process's work
+                logger.info("starting %s: %s", name, spec)
+                processes.append(Process(args, {name: spec}))
+                run_in[name] = processes[-1]
+        names = list(todo)
         segments = []  # [(segment result per config name, concurrency)]
         for c in args.concurrency:
             size = args.segment_prompts or c
             n = num_prompts(args, c)
             for _ in range(args.repeats):
                 for start in range(0, n, size):
-                    order = workers if len(segments) % 2 == 0 else workers[::-1]
-                    seg = {w.name: w.run(c, start, min(n, start + size)) for w in order}
+                    order = names if len(segments) % 2 == 0 else names[::-1]
+                    seg = {name: run_in[name].run(name, c, start, min(n, start + size)) for name in order}
                     segments.append((seg, c))
                     logger.info("c=%d, prompts %d-%d: %s", c, start, min(n, start + size) - 1, ", ".join(
                         f"{name} {sum(map(len, r['tokens'])) / r['wall_s']:.1f}" for name, r in seg.items()))
                 if args.result_file:  # after every pass: a run cut short keeps what it measured
                     save(args, machine, todo, summarize(segments, todo))
     finally:
-        for w in workers:
-            w.close()
+        for p in processes:
+            p.close()
     results = summarize(segments, todo)
     if args.result_file:
         save(args, machine, todo, results)
@@ -249,7 +277,8 @@ def summarize(segments: list[tuple[dict, int]], todo: dict) -> list[dict]:
 
 def save(args, machine: dict, todo: dict, results: list[dict]) -> None:
     with open(args.result_file, "w") as f:
-        json.dump({"machine": machine, "tp": args.tp, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        json.dump({"machine": machine, "tp": args.tp, "one_process": args.one_process,
+                   "max_tokens": args.max_tokens, "repeats": args.repeats,
                    "segment_prompts": args.segment_prompts, "configs": todo,
                    "prompts": f"HumanEval from index {args.first_prompt}", "results": results}, f, indent=1)
 
