@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama and Qwen3 checkpoints written by transformers' save_pretrained."""
+"""Shared fixtures: tiny random Llama, Qwen3 and Gemma 3 checkpoints written by transformers' save_pretrained."""
 
 from __future__ import annotations
 
@@ -63,11 +63,19 @@ def _write_tiny(folder: str, arch: str, **overrides) -> str:
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     kw = dict(TINY, **overrides)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         kw.setdefault("head_dim", 16)
+    if arch == "gemma3":
+        kw = {**TINY_GEMMA3, **kw}
     model = model_cls(cfg_cls(**kw)).eval()
+    if arch == "gemma3":  # Gemma initializes its norms to w = 0 (scale 1 + w = 1): make the + 1 matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder)
     return folder
@@ -86,6 +94,26 @@ def tiny_llama_tied(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return _write_tiny(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3")
+
+
+# Gemma 3's own features, each away from its neutral value: a window shorter than the test
+# prompts, local and global layers with different RoPE bases, a score scale other than 1/√head_dim,
+# and a final soft cap the logits reach.
+TINY_GEMMA3 = dict(
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    query_pre_attn_scalar=24,
+    final_logit_softcapping=3.0,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> str:
+    return _write_tiny(str(tmp_path_factory.mktemp("tiny-gemma3")), "gemma3")
 
 
 TINY_DFLASH = dict(num_layers=2, target_layer_ids=(0, 2), block_size=6, mask_token_id=999)

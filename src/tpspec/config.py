@@ -53,16 +53,26 @@ class ModelArchConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Gemma 3 (None / defaults elsewhere): per layer "sliding_attention" or "full_attention", the
+    # window of the sliding layers and their RoPE base, the score scale's 1/√ argument, the
+    # final logits' tanh soft cap, and the MLP's activation.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "silu"
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArchConfig":
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-            cfg.get("model_type", ""), str(cfg.get("model_type"))
-        )
+        arch = archs[0] if archs else _ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", ""), str(cfg.get("model_type")))
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
+        # transformers 5 keeps RoPE per layer type ({"full_attention": {...}, "sliding_attention": {...}}).
+        local_rope = rope.get("sliding_attention") or {}
+        rope = rope.get("full_attention", rope)
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling")
         if scaling is None and rope.get("rope_type", "default") != "default":
@@ -89,11 +99,44 @@ class ModelArchConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_gemma3_fields(cfg, arch, local_rope),
         )
 
     @classmethod
     def from_folder(cls, folder: str) -> "ModelArchConfig":
         return cls.from_hf_config(read_config_json(folder, "model folder"))
+
+
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Gemma 3 configs that list no layer_types: every sliding_window_pattern-th layer is global.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+
+
+def _gemma3_fields(cfg: dict, arch: str, local_rope: dict) -> dict:
+    """ModelArchConfig's Gemma 3 fields from a Hugging Face config (none for other architectures)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must list one of {LAYER_TYPES} per layer ({layers}), got {types!r}")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 configs leave it null)")
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(
+        layer_types=tuple(types),
+        sliding_window=int(cfg["sliding_window"]),
+        rope_local_theta=float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        hidden_activation=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
+    )
 
 
 @dataclass(frozen=True)

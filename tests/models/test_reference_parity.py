@@ -59,7 +59,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen3", "tiny_gemma3"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_logits_match_transformers(fixture, tp, request):
     folder = request.getfixturevalue(fixture)
@@ -73,18 +73,20 @@ def test_logits_match_transformers(fixture, tp, request):
         assert _rel_err(o, r) <= 1e-4
 
 
-def test_captured_hidden_states_match_transformers(tiny_llama):
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+def test_captured_hidden_states_match_transformers(fixture, request):
     import transformers
 
-    arch = ModelArchConfig.from_folder(tiny_llama)
+    folder = request.getfixturevalue(fixture)
+    arch = ModelArchConfig.from_folder(folder)
     model = get_model_class(arch.architecture)(arch)
-    model.load_weights(iterate_weights(tiny_llama, show_progress=False))
+    model.load_weights(iterate_weights(folder, show_progress=False))
     caches = allocate_kv_cache(len(model.layers), 16 * BLOCK, model.kv_cache_shape, torch.float32)
     p = PROMPTS[0]
     md = AttentionMetadata.build([len(p)], [len(p)], [list(range(16))], BLOCK, torch.device("cpu"))
     with torch.inference_mode():
         _, captured = model(torch.tensor(p), torch.arange(len(p)), caches, md, capture_layers=(0, 2))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         hs = hf(torch.tensor([p]), output_hidden_states=True).hidden_states
     assert _rel_err(captured[0], hs[1][0]) <= 1e-4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from tpspec.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -40,12 +43,13 @@ def _option(default: Any, help: str, type: Any = None, choices: tuple | None = N
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | None = _option(
-        None, "a .gguf file or a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)", str)
+        None, "a .gguf file, a Hugging Face folder or a packaged model (gemma-3-270m); default: the embedded SmolLM2-135M-Instruct", str)
     tensor_parallel_size: int = _option(
         _config_default(ParallelConfig, "tensor_parallel_size"), "ranks the model is split over", int, flags=("-tp",))
     dtype: str = _option("auto", "auto = float32 on CPU, bfloat16 on CUDA", str, SUPPORTED_DTYPES)
     device: str = _option("auto", "auto = CUDA when available", str, DEVICES)
-    max_model_len: int | None = _option(None, "longest prompt + output (default: the model's context length)", int)
+    max_model_len: int | None = _option(
+        None, "longest prompt + output (default: the model's context length, or what the KV cache holds if less)", int)
     max_num_seqs: int = _option(_config_default(SchedulerConfig, "max_num_seqs"), "most requests running at once", int)
     max_num_batched_tokens: int = _option(
         _config_default(SchedulerConfig, "max_num_batched_tokens"), "most tokens in one step (chunked prefill splits longer prompts)", int)
@@ -108,7 +112,7 @@ class EngineArgs:
         draft_arch = None
         if spec is not None:
             spec, draft_arch = resolve_drafter(spec, folder, arch)
-        return EngineConfig(
+        config = EngineConfig(
             model=folder,
             arch=arch,
             dtype=resolve_dtype(self.dtype, device_kind),
@@ -127,3 +131,16 @@ class EngineArgs:
             sampling_mode=self.sampling_mode,
             torch_compile=self.torch_compile,
         )
+        if self.max_model_len is None:  # the model's context, unless the KV cache holds less
+            import torch
+
+            from tpspec.worker.model_runner import num_kv_blocks
+
+            capacity = num_kv_blocks(config, torch.device(device_kind)) * config.cache.block_size
+            if capacity < config.scheduler.max_model_len:
+                logger.info("max_model_len = %d, the tokens the KV cache holds (the model's context is %d; "
+                            "--kv-cache-memory-gb raises it)", capacity, arch.max_position_embeddings)
+                config = dataclasses.replace(
+                    config, scheduler=dataclasses.replace(config.scheduler, max_model_len=capacity)
+                )
+        return config

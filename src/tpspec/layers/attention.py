@@ -69,10 +69,26 @@ class QueryGroup:
     query_valid: torch.Tensor  # [seqs, max_query] bool
     token_rows: torch.Tensor  # [valid queries] the step's token index of each valid query, row-major
     attn_bias: torch.Tensor  # [seqs, 1, 1, max_query, max_context] float32: 0 = attend, -inf = masked
+    query_pos: torch.Tensor  # [seqs, max_query] absolute position of each query (padding included)
+    _window_bias: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def decode(self) -> bool:
         return self.query_index.shape[1] == 1
+
+    def window_bias(self, window: int) -> torch.Tensor:
+        """``attn_bias`` for a sliding-window layer: a query at position p also no longer sees the
+        keys at positions <= p − window (Hugging Face's ``sliding_window``); padded queries keep
+        theirs. Built once per step and window."""
+        bias = self._window_bias.get(window)
+        if bias is None:
+            max_ctx = self.attn_bias.shape[-1]
+            key_pos = torch.arange(max_ctx, device=self.query_pos.device)
+            outside = key_pos[None, None, :] <= self.query_pos[:, :, None] - window  # [seqs, max_q, max_ctx]
+            outside &= self.query_valid[:, :, None]
+            bias = self.attn_bias.masked_fill(outside[:, None, None], float("-inf"))
+            self._window_bias[window] = bias
+        return bias
 
 
 @dataclass
@@ -158,7 +174,7 @@ class AttentionMetadata:
             bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
             groups.append(QueryGroup(
                 first, last, query_index.to(device), query_valid.to(device), query_index[query_valid].to(device),
-                bias[:, None, None].to(device),
+                bias[:, None, None].to(device), qpos.to(device),
             ))
             first = last
         output_order = None
@@ -199,12 +215,20 @@ class Attention(nn.Module):
     matmuls over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_head_of_head: torch.Tensor):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, kv_head_of_head: torch.Tensor,
+        scale: float | None = None, sliding_window: int | None = None,
+    ):
+        """``scale``: of the scores (default 1/√head_dim); ``sliding_window``: a query at position p
+        sees the keys at positions p − sliding_window + 1 … p only (None: every earlier key)."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         # kv_head_of_head [num_heads]: the local KV head each local query head reads. With uniform
         # groups, query heads are viewed as [kv_heads, group] and each KV head is gathered once; an
         # uneven head split (e.g. 9 heads over 2 ranks) gathers K/V per query head instead.
@@ -242,8 +266,10 @@ class Attention(nn.Module):
         q_padded = None  # [num_tokens + 1, heads, d]: the step's queries and one zero query for padding
         for g in md.groups:
             g_keys, g_values = keys[g.seq_start : g.seq_end], values[g.seq_start : g.seq_end]
+            bias = g.attn_bias if self.sliding_window is None else g.window_bias(self.sliding_window)
             if g.decode and compute == torch.float32:
-                mask = g.attn_bias[:, 0] if num_seqs > 1 else None  # [seqs, 1, 1, max_ctx]; one sequence: no padding
+                # [seqs, 1, 1, max_ctx]; one sequence attending over all its keys: no mask
+                mask = bias[:, 0] if num_seqs > 1 or self.sliding_window is not None else None
                 outs.append(self._decode_sdpa(q if md.decode_only else q[g.token_rows], g_keys, g_values, mask))
                 continue
             if g.decode:
@@ -252,7 +278,7 @@ class Attention(nn.Module):
                 if q_padded is None:
                     q_padded = torch.cat([q, q.new_zeros(1, self.num_heads, d)])
                 q_pad = q_padded[g.query_index]  # [seqs, max_q, heads, d]
-            outs.append(self._padded_attention(q_pad, g_keys, g_values, g)[g.query_valid])
+            outs.append(self._padded_attention(q_pad, g_keys, g_values, bias)[g.query_valid])
         out = outs[0] if md.output_order is None else torch.cat(outs)[md.output_order]
         return out.to(k.dtype)
 
@@ -261,7 +287,7 @@ class Attention(nn.Module):
         q_pad: torch.Tensor,  # [seqs, max_q, num_heads, head_dim]
         keys: torch.Tensor,  # [seqs, kv_heads, max_context, head_dim] (kv_heads = num_heads if groups are uneven)
         values: torch.Tensor,  # same
-        g: QueryGroup,
+        bias: torch.Tensor,  # [seqs, 1, 1, max_q, max_context] additive mask (QueryGroup.attn_bias or window_bias)
     ) -> torch.Tensor:  # [seqs, max_q, num_heads · head_dim]
         """One group's attention as two batched matmuls over [seqs, kv_heads, group · queries, keys]."""
         num_seqs, max_q, _, d = q_pad.shape
@@ -273,7 +299,7 @@ class Attention(nn.Module):
         qg = qg.reshape(num_seqs, kv_heads, group * max_q, d)  # [seqs, kv, group·q, d]
         scores = torch.matmul(qg, keys.transpose(-1, -2))  # [seqs, kv, group·q, ctx]
         scores = scores.float().mul_(self.scale).view(num_seqs, kv_heads, group, max_q, max_ctx)
-        probs = torch.softmax(scores.add_(g.attn_bias), dim=-1).to(q_pad.dtype)
+        probs = torch.softmax(scores.add_(bias), dim=-1).to(q_pad.dtype)
         out = torch.matmul(probs.view(num_seqs, kv_heads, group * max_q, max_ctx), values)  # [seqs, kv, group·q, d]
         return out.view(num_seqs, kv_heads, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, self.num_heads * d)
 

@@ -104,16 +104,21 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.config = cfg
-        self.dtype = dtype
+        self._build_common(cfg, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, dtype, self.qk_norm) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+
+    def _build_common(self, cfg: ModelArchConfig, dtype: torch.dtype) -> None:
+        """What every decoder of this interface has: the vocab-parallel embedding and LM head (tied
+        if the config says so) and the KV cache's per-slot shape on this rank."""
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
-        self.logits_processor = LogitsProcessor(cfg.vocab_size)
         _, (k0, k1) = head_partition(cfg.num_attention_heads, cfg.num_key_value_heads, get_tp_size(), get_tp_rank())
         self.kv_cache_shape = (k1 - k0, cfg.head_dim)  # per slot, per layer
         self._compiled_layer = None  # compile_decode_layers()
@@ -137,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns final-norm hidden states [num_tokens, hidden_size] and, for each layer id L in
         ``capture_layers``, the output of layer L (Hugging Face ``hidden_states[L + 1]``)."""
-        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        hidden = self.embed_input_ids(input_ids) if input_embeds is None else input_embeds
         rope = self.rotary.angles(positions, self.dtype)
         run_layer, residual = _call_layer, None
         if md.decode_only and self._compiled_layer is not None:
@@ -151,6 +156,11 @@ class LlamaForCausalLM(nn.Module):
                 captured[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden, captured
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] -> the decoder's input [num_tokens, hidden_size] (drafters that
+        borrow the target's embedding call this)."""
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from tpspec.models.gemma3 import Gemma3ForCausalLM
 from tpspec.models.llama import LlamaForCausalLM
 from tpspec.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

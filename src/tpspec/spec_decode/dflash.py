@@ -82,7 +82,7 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     def dummy_pass(self, num_rows: int) -> None:
         md, positions = self.dummy_metadata(num_rows, self.num_speculative_tokens + 1, non_causal=True)
-        embeds = self.model.target.embed_tokens(torch.zeros(num_rows, dtype=torch.int64, device=self.device))
+        embeds = self.model.target.embed_input_ids(torch.zeros(num_rows, dtype=torch.int64, device=self.device))
         with self._tp_context():
             hidden = self.model(embeds, positions, self.kv_caches, md)
         self.dummy_sample(hidden)
@@ -143,7 +143,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         tables = [inp.block_tables[i] for i in rows]
         md = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables, bs, self.device, non_causal_tail=lens)
-        embeds = self.model.target.embed_tokens(torch.tensor(block_ids, dtype=torch.int64, device=self.device))
+        embeds = self.model.target.embed_input_ids(torch.tensor(block_ids, dtype=torch.int64, device=self.device))
         with self._tp_context():
             hidden = self.model(embeds, torch.tensor(positions, dtype=torch.int64, device=self.device), self.kv_caches, md)
         # 3. Outputs 1 … L − 1 of each block are its drafts: all rows sampled at once.

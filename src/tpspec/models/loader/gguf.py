@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 # Part of the cache key: bump it whenever the folder this module writes changes.
 CONVERTER_VERSION = 1
 CACHE_DIR_ENV = "TPSPEC_CACHE_DIR"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3")
 
-_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_HF_MODEL_TYPE = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -53,9 +54,28 @@ _QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES}}
+# Gemma 3 norms four times per layer: before and after attention, before and after the MLP.
+_GEMMA3_NORM_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_BLOCK_NAMES_BY_ARCH = {
+    "llama": _BLOCK_NAMES,
+    "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "gemma3": {**_BLOCK_NAMES, **_QK_NORM_NAMES, **_GEMMA3_NORM_NAMES},
+}
 # llama.cpp's converter reorders Q/K rows for its llama models only; its Qwen3 converter does not.
 _PERMUTED_QK_ARCHS = ("llama",)
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its kernel scales by the weight alone);
+# Hugging Face checkpoints hold w.
+_NORM_PLUS_ONE_ARCHS = ("gemma3",)
+# What a Gemma 3 GGUF does not say, set as llama.cpp sets it: every 6th layer attends globally,
+# the others over the sliding window with RoPE base 10,000.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 _REQUIRED = object()
 
@@ -71,7 +91,7 @@ def convert_gguf(path: str, cache_dir: str | None = None) -> str:
     source = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(source):
         raise FileNotFoundError(f"GGUF file not found: {source}")
-    root = os.path.join(_cache_root(cache_dir), "gguf")
+    root = os.path.join(cache_root(cache_dir), "gguf")
     target = os.path.join(root, _cache_key(source))
     if os.path.isdir(target):
         logger.info("Using cached conversion of %s at %s", source, target)
@@ -93,7 +113,8 @@ def convert_gguf(path: str, cache_dir: str | None = None) -> str:
     return target
 
 
-def _cache_root(cache_dir: str | None) -> str:
+def cache_root(cache_dir: str | None = None) -> str:
+    """tpspec's cache folder: ``cache_dir``, else ``$TPSPEC_CACHE_DIR``, else ``~/.cache/tpspec``."""
     root = cache_dir or os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "tpspec")
     return os.path.abspath(os.path.expanduser(root))
 
@@ -120,7 +141,7 @@ def _write_folder(source: str, out_dir: str) -> None:
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = _build_config(reader, architecture, tensor_names)
     tensors = _convert_tensors(reader, architecture, config)
-    _check_complete(tensors, config)
+    _check_complete(tensors, config, architecture)
 
     _write_json(os.path.join(out_dir, "config.json"), config)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -157,7 +178,7 @@ def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
         raise ValueError(f"GGUF file {reader.data.filename} has no token embedding tensor 'token_embd.weight'")
     config: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURE[arch]],
-        "model_type": arch,
+        "model_type": _HF_MODEL_TYPE[arch],
         "hidden_size": hidden_size,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
@@ -178,11 +199,35 @@ def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
     rope_scaling = _rope_scaling(reader, arch)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, config))
     for gguf_key, hf_key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
             config[hf_key] = int(token_id)
     return config
+
+
+def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own config.json keys. The score scale is 1/√head_dim except for the 27B model
+    (1/√(hidden_size / heads)), as llama.cpp decides it."""
+    layers = config["num_hidden_layers"]
+    scalar = config["head_dim"]
+    if layers == _GEMMA3_27B_LAYERS:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    softcap = _field(reader, "gemma3.final_logit_softcapping", None)
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(_field(reader, "gemma3.attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if (i + 1) % _GEMMA3_SLIDING_WINDOW_PATTERN else "full_attention" for i in range(layers)
+        ],
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": None if softcap is None else _float32(softcap),
+        "attn_logit_softcapping": None,
+    }
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
@@ -233,6 +278,8 @@ def _convert_tensors(reader: GGUFReader, arch: str, config: dict[str, Any]) -> d
             weight = _unpermute_qk(weight, config["num_attention_heads"])
         elif arch in _PERMUTED_QK_ARCHS and name.endswith("self_attn.k_proj.weight"):
             weight = _unpermute_qk(weight, config["num_key_value_heads"])
+        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            weight -= 1.0
         tensors[name] = weight
     return tensors
 
@@ -252,11 +299,11 @@ def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(rows, in_features)
 
 
-def _check_complete(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+def _check_complete(tensors: dict[str, np.ndarray], config: dict[str, Any], arch: str) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         expected.add("lm_head.weight")
-    leaves = _BLOCK_NAMES_BY_ARCH[config["model_type"]].values()
+    leaves = _BLOCK_NAMES_BY_ARCH[arch].values()
     expected.update(f"model.layers.{i}.{leaf}" for i in range(config["num_hidden_layers"]) for leaf in leaves)
     missing = sorted(expected - tensors.keys())
     if missing:

@@ -1,0 +1,164 @@
+"""Gemma 3 (text) from TP layers, as Hugging Face's ``Gemma3ForCausalLM`` computes it.
+
+What differs from Llama: RMSNorm scales by (1 + weight); the embedding is multiplied by
+√hidden_size (rounded to the model's dtype); queries and keys are RMS-normed per head before
+RoPE; scores are scaled by query_pre_attn_scalar^−½; the MLP is GeGLU with tanh-approximated
+GELU; each layer norms four times (before and after attention, before and after the MLP, the
+outputs normed before they join the residual stream); most layers attend over a sliding window
+(``layer_types``) with their own RoPE base, the others over the whole context; the final logits
+may be soft-capped (``LogitsProcessor``). The single KV head of the small models is replicated
+on every rank while the query heads are split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpspec.config import ModelArchConfig
+from tpspec.layers.attention import Attention, AttentionMetadata
+from tpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpspec.layers.logits import LogitsProcessor
+from tpspec.layers.norm import RMSNorm
+from tpspec.layers.rotary import RopeAngles, RotaryEmbedding, apply_rope
+from tpspec.models.llama import LlamaForCausalLM
+
+SLIDING = "sliding_attention"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """y = x / sqrt(mean(x²) + eps) · (1 + w), in float32, rounded to x's dtype at the end. The
+    parameter holds (1 + w) in float32, made so when the checkpoint's w is loaded."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps, torch.float32)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        param.data.copy_(loaded[:].float() + 1.0)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2·d] = [gate | up] -> gelu_tanh(gate) · up: [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, sliding: bool):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, dtype)
+        q0, q1 = self.qkv_proj.q_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, cfg.attention_bias, dtype, input_range=(q0 * d, q1 * d)
+        )
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        kv_of_head = torch.arange(q0, q1) // group - self.qkv_proj.kv_heads[0]
+        self.attn = Attention(
+            self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads, d, kv_of_head,
+            scale=cfg.query_pre_attn_scalar**-0.5, sliding_window=cfg.sliding_window if sliding else None,
+        )
+        self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, rope: RopeAngles, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2·kv_heads)·d]
+        p = self.qkv_proj
+        d = p.head_dim
+        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.view(-1, p.num_local_heads, d)), rope)
+        k = apply_rope(self.k_norm(k.view(-1, p.num_local_kv_heads, d)), rope)
+        return self.o_proj(self.attn(q, k, v.view(-1, p.num_local_kv_heads, d), kv_cache, md))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype):
+        super().__init__()
+        if cfg.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(f"Gemma 3 hidden_activation {cfg.hidden_activation!r} is not supported; supported: gelu_pytorch_tanh")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, sliding: bool):
+        super().__init__()
+        self.sliding = sliding
+        self.self_attn = Gemma3Attention(cfg, dtype, sliding)
+        self.mlp = Gemma3MLP(cfg, dtype)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, rope: RopeAngles, hidden, kv_cache, md):
+        """hidden: [num_tokens, hidden_size], the residual stream -> the stream after this layer."""
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(hidden), kv_cache, md))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+def _call_layer(layer: Gemma3DecoderLayer, rope, hidden, kv_cache, md):
+    """One decoder layer; ``torch.compile``d once for all layers (their weights are inputs)."""
+    return layer(rope, hidden, kv_cache, md)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Llama's interface (forward, logits, top tokens, weight loading, captures for drafters) over
+    Gemma 3's decoder."""
+
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32):
+        if cfg.layer_types is None or cfg.sliding_window is None:
+            raise ValueError("a Gemma 3 config needs layer_types and sliding_window")
+        nn.Module.__init__(self)
+        self._build_common(cfg, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta)
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(cfg, dtype, t == SLIDING) for t in cfg.layer_types])
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, soft_cap=cfg.final_logit_softcapping)
+        # Hugging Face multiplies by √hidden_size rounded to the model's dtype.
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5).to(dtype), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+        input_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size], replaces embed_input_ids
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """As ``LlamaForCausalLM.forward``: final-norm hidden states [num_tokens, hidden_size] and
+        the captured layers' outputs."""
+        hidden = self.embed_input_ids(input_ids) if input_embeds is None else input_embeds
+        ropes = {False: self.rotary.angles(positions, self.dtype), True: self.local_rotary.angles(positions, self.dtype)}
+        run_layer = _call_layer
+        if md.decode_only and self._compiled_layer is not None:
+            run_layer = self._compiled_layer
+            self.layers[0].self_attn.attn.context_rows(md)  # memoized per step: built here, outside the graph
+            for layer in self.layers:
+                if layer.sliding:
+                    md.groups[0].window_bias(layer.self_attn.attn.sliding_window)
+                    break
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            hidden = run_layer(layer, ropes[layer.sliding], hidden, kv_caches[i], md)
+            if i in capture_layers:
+                captured[i] = hidden
+        return self.norm(hidden), captured
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] -> the embedding rows times √hidden_size: [num_tokens, hidden_size]."""
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def compile_decode_layers(self) -> None:
+        """As Llama's: decode steps through a ``torch.compile``d layer."""
+        self._compiled_layer = torch.compile(_call_layer, dynamic=True)
