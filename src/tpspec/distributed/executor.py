@@ -12,6 +12,11 @@ waiting for requests) ends without waiting for the next step. A
 worker that exits while the TP group forms fails the start at once. Workers die with the driver
 (PR_SET_PDEATHSIG) and are joined or killed on shutdown, which also runs at interpreter exit.
 
+Between steps the workers wait for the driver's next message in a gloo broadcast, which gives
+up after ``worker_timeout_s``; so that an idle engine (a server without requests) keeps its
+workers, the driver sends a keep-alive message whenever nothing has been sent for
+``KEEPALIVE_FRACTION`` of that time.
+
 The TP group and the communication counters are per process, so a process holds at most one live
 executor with tensor_parallel_size > 1 and no other executor beside it.
 """
@@ -117,12 +122,18 @@ def _shutdown_all() -> None:
         executor.shutdown()
 
 
+# Of worker_timeout_s: the longest the driver stays silent before a keep-alive message.
+KEEPALIVE_FRACTION = 0.25
+
+
 class Executor:
     def __init__(self, config: EngineConfig, device_kind: str):
         self.config = config
         self.tp = config.parallel.tensor_parallel_size
         self.workers: list[subprocess.Popen] = []
         self.dead: str | None = None
+        self._last_rpc = time.monotonic()
+        self._stopping = threading.Event()  # set by shutdown: the keep-alive thread ends
         self._death_listeners: list[Callable[[str], None]] = []
         self._death_lock = threading.Lock()  # a listener is told exactly once, however the race goes
         self._closed = False
@@ -172,6 +183,8 @@ class Executor:
             raise
         for rank, p in enumerate(self.workers, start=1):
             threading.Thread(target=self._watch, args=(rank, p), name=f"tpspec-watchdog-{rank}", daemon=True).start()
+        if self.workers:
+            threading.Thread(target=self._keep_alive, name="tpspec-keepalive", daemon=True).start()
 
     @property
     def num_blocks(self) -> int:
@@ -223,6 +236,25 @@ class Executor:
             for callback in listeners:
                 self._tell(callback, self.dead)
 
+    def _keep_alive(self) -> None:
+        """While the engine is idle, a "ready" message every ``KEEPALIVE_FRACTION ·
+        worker_timeout_s``, so the workers' wait for the next message never times out. A step
+        running (the step lock held) is a message already."""
+        interval = KEEPALIVE_FRACTION * self.config.parallel.worker_timeout_s
+        while not self._stopping.wait(interval / 4):
+            if self.dead:
+                return
+            if time.monotonic() - self._last_rpc < interval or not self._step_lock.acquire(blocking=False):
+                continue
+            try:
+                if self._stopping.is_set() or self.dead:
+                    return
+                self._rpc("ready", None)
+            except BaseException:  # noqa: BLE001 - the engine is dead; its next call says why
+                return
+            finally:
+                self._step_lock.release()
+
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once when a worker dies: from the watchdog thread as soon as it
         sees the death, or at once if one has already died."""
@@ -242,6 +274,7 @@ class Executor:
     def _rpc(self, kind: str, arg) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
+        self._last_rpc = time.monotonic()
         try:
             comm.broadcast_object((kind, arg), "rpc")
         except RuntimeError as e:
@@ -276,6 +309,7 @@ class Executor:
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
         _LIVE.discard(self)
         graceful = bool(self.workers) and not self.dead
         # A step still running in another thread (e.g. at interpreter exit) would interleave with

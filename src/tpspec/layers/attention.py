@@ -6,7 +6,9 @@ A step's tokens are written to their slots first, then each sequence's queries a
 gathered keys, padded to the batch's longest context and masked. Sequences with queries of one
 length class (``query_length_class``: decodes, 2–8, 9–16, 17–32, … queries) attend in one call with
 their queries padded to the class's longest, so one long query (a prefill chunk, a long draft
-block) does not pad every other sequence of the step to its length.
+block) does not pad every other sequence of the step to its length. A sliding-window layer
+(Gemma 3's local layers) masks, in the same gathered context, the keys a query's window has left
+behind (``QueryGroup.window_bias``).
 """
 
 from __future__ import annotations

