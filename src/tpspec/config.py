@@ -111,8 +111,10 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Gemma 3 configs that list no layer_types: every sliding_window_pattern-th layer is global.
+# Gemma 3 configs that list no layer_types: every sliding_window_pattern-th layer is global; the
+# sliding layers' RoPE base where a config gives none (also what llama.cpp uses for GGUF files).
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 def _gemma3_fields(cfg: dict, arch: str, local_rope: dict) -> dict:
@@ -132,7 +134,7 @@ def _gemma3_fields(cfg: dict, arch: str, local_rope: dict) -> dict:
     return dict(
         layer_types=tuple(types),
         sliding_window=int(cfg["sliding_window"]),
-        rope_local_theta=float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+        rope_local_theta=float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA))),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         final_logit_softcapping=None if softcap is None else float(softcap),
         hidden_activation=cfg.get("hidden_activation") or "gelu_pytorch_tanh",

@@ -23,6 +23,8 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from tpspec.config import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN
+
 logger = logging.getLogger(__name__)
 
 # Part of the cache key: bump it whenever the folder this module writes changes.
@@ -71,10 +73,8 @@ _PERMUTED_QK_ARCHS = ("llama",)
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its kernel scales by the weight alone);
 # Hugging Face checkpoints hold w.
 _NORM_PLUS_ONE_ARCHS = ("gemma3",)
-# What a Gemma 3 GGUF does not say, set as llama.cpp sets it: every 6th layer attends globally,
-# the others over the sliding window with RoPE base 10,000.
-_GEMMA3_SLIDING_WINDOW_PATTERN = 6
-_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# What a Gemma 3 GGUF does not say is set as llama.cpp sets it (GEMMA3_SLIDING_WINDOW_PATTERN,
+# GEMMA3_LOCAL_ROPE_THETA), and the score scale by the 27B model's layer count.
 _GEMMA3_27B_LAYERS = 62
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 _REQUIRED = object()
@@ -221,9 +221,9 @@ def _gemma3_config(reader: GGUFReader, config: dict[str, Any]) -> dict[str, Any]
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": int(_field(reader, "gemma3.attention.sliding_window")),
         "layer_types": [
-            "sliding_attention" if (i + 1) % _GEMMA3_SLIDING_WINDOW_PATTERN else "full_attention" for i in range(layers)
+            "sliding_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else "full_attention" for i in range(layers)
         ],
-        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
         "query_pre_attn_scalar": scalar,
         "final_logit_softcapping": None if softcap is None else _float32(softcap),
         "attn_logit_softcapping": None,
