@@ -26,9 +26,9 @@ How far two processes running the same thing differ is itself large here: with `
 second plain-decoding configuration (``plain-twin``, a configuration like any other) shows the
 method's noise floor in the same table. With ``--one-process`` (TP 1 only: a process holds at
 most one TP group), every configuration's engine lives in one process instead, so the
-configurations share the allocator, the threads and the memory placement; measured beside a twin
-on this machine, its per-segment ratios spread several times less than those of separate processes
-(benchmarks/README.md).
+configurations share the allocator, the threads and the memory placement. Beside a twin on this
+machine (benchmarks/README.md, run 12) both methods still spread widely per segment (the twin's
+ratio 0.82–1.08 in one process, 0.80–1.18 in separate ones): the machine's drift dominates.
 
   python3 benchmarks/bench_speculative.py --tp 1 --result-file benchmarks/results/speculative_tp1.json
 """
