@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpspec.config import ModelArchConfig
-from tpspec.layers.attention import Attention, AttentionMetadata
-from tpspec.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpspec.layers.attention import AttentionMetadata
 from tpspec.layers.logits import LogitsProcessor
 from tpspec.layers.norm import RMSNorm
-from tpspec.layers.rotary import RopeAngles, RotaryEmbedding, apply_rope
-from tpspec.models.llama import LlamaForCausalLM
+from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
+from tpspec.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 SLIDING = "sliding_attention"
 
@@ -47,44 +46,28 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttention):
+    """Qwen3's attention (per-head q/k norms before RoPE) with Gemma's norms, score scale and,
+    on the local layers, the sliding window."""
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, sliding: bool):
-        super().__init__()
-        d = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, dtype)
-        q0, q1 = self.qkv_proj.q_heads
-        self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * d, cfg.hidden_size, cfg.attention_bias, dtype, input_range=(q0 * d, q1 * d)
-        )
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
-        kv_of_head = torch.arange(q0, q1) // group - self.qkv_proj.kv_heads[0]
-        self.attn = Attention(
-            self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads, d, kv_of_head,
-            scale=cfg.query_pre_attn_scalar**-0.5, sliding_window=cfg.sliding_window if sliding else None,
-        )
-        self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+        super().__init__(cfg, dtype, qk_norm=True, scale=cfg.query_pre_attn_scalar**-0.5,
+                         sliding_window=cfg.sliding_window if sliding else None)
 
-    def forward(self, rope: RopeAngles, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2·kv_heads)·d]
-        p = self.qkv_proj
-        d = p.head_dim
-        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(-1, p.num_local_heads, d)), rope)
-        k = apply_rope(self.k_norm(k.view(-1, p.num_local_kv_heads, d)), rope)
-        return self.o_proj(self.attn(q, k, v.view(-1, p.num_local_kv_heads, d), kv_cache, md))
+    @staticmethod
+    def _head_norm(cfg: ModelArchConfig, dtype: torch.dtype) -> nn.Module:
+        return GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
-class Gemma3MLP(nn.Module):
+class Gemma3MLP(LlamaMLP):
+    """GeGLU: Llama's MLP with tanh-approximated GELU."""
+
+    act_and_mul = staticmethod(gelu_tanh_and_mul)
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype):
-        super().__init__()
         if cfg.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma 3 hidden_activation {cfg.hidden_activation!r} is not supported; supported: gelu_pytorch_tanh")
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+        super().__init__(cfg, dtype)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -144,10 +127,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if md.decode_only and self._compiled_layer is not None:
             run_layer = self._compiled_layer
             self.layers[0].self_attn.attn.context_rows(md)  # memoized per step: built here, outside the graph
-            for layer in self.layers:
-                if layer.sliding:
-                    md.groups[0].window_bias(layer.self_attn.attn.sliding_window)
-                    break
+            if any(layer.sliding for layer in self.layers):
+                md.groups[0].window_bias(self.config.sliding_window)  # likewise
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             hidden = run_layer(layer, ropes[layer.sliding], hidden, kv_caches[i], md)

@@ -22,7 +22,11 @@ from tpspec.sample.vocab_parallel import LogitsShard
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, qk_norm: bool):
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype, qk_norm: bool,
+        scale: float | None = None, sliding_window: int | None = None,
+    ):
+        """``scale``, ``sliding_window``: as ``Attention``'s (defaults: 1/√head_dim, the whole context)."""
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, dtype)
@@ -32,9 +36,16 @@ class LlamaAttention(nn.Module):
         )
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         kv_of_head = torch.arange(q0, q1) // group - self.qkv_proj.kv_heads[0]
-        self.attn = Attention(self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads, d, kv_of_head)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(
+            self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads, d, kv_of_head, scale, sliding_window
+        )
+        self.q_norm = self._head_norm(cfg, dtype) if qk_norm else None
+        self.k_norm = self._head_norm(cfg, dtype) if qk_norm else None
+
+    @staticmethod
+    def _head_norm(cfg: ModelArchConfig, dtype: torch.dtype) -> nn.Module:
+        """The RMSNorm over each query / key head (Qwen3's)."""
+        return RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, rope: RopeAngles, hidden, kv_cache, md: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2·kv_heads)·d]
@@ -55,13 +66,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # [num_tokens, 2·d] = [gate | up] -> act(gate) · up: [num_tokens, d]
+    act_and_mul = staticmethod(silu_and_mul)
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
