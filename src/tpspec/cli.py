@@ -13,6 +13,7 @@ import time
 from tpspec.bench.server_options import ServerOptions
 from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
+from tpspec.train.recipe import LOSS_VOCABS, DraftRecipe, TrainConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -159,8 +160,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
 
 
 def _train_draft(args: argparse.Namespace) -> int:
-    from tpspec.train.train_draft import DraftRecipe, train_draft
-    from tpspec.train.trainer import TrainConfig
+    from tpspec.train.train_draft import train_draft
 
     recipe = DraftRecipe(
         num_layers=args.num_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
@@ -169,32 +169,36 @@ def _train_draft(args: argparse.Namespace) -> int:
         text_tokens=args.text_tokens,
     )
     cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
-                      lr=args.lr, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, seed=args.seed)
+                      lr=args.lr, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, seed=args.seed,
+                      loss_vocab=args.loss_vocab)
     last = train_draft(args.work_dir, args.output, args.model, recipe, cfg)
     sys.stdout.write(json.dumps(last, indent=2) + "\n")
     return 0
 
 
 def add_train_draft_parser(sub) -> None:
+    r, c = DraftRecipe, TrainConfig  # the defaults
     t = sub.add_parser("train-draft", help="train a DFlash drafter for a target by self-distillation (resumable)")
     t.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
     t.add_argument("--work-dir", required=True, help="data, checkpoints and the learning curve; rerun to resume")
     t.add_argument("--output", required=True, help="folder for the drafter in the public DFlash format")
-    t.add_argument("--num-layers", type=int, default=2)
-    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--num-layers", type=int, default=r.num_layers)
+    t.add_argument("--block-size", type=int, default=r.block_size)
     t.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: 5 layers spread over the target")
     t.add_argument("--mask-token-id", type=int, default=None, help="default: the last id of the target's vocabulary")
     t.add_argument("--random-init", action="store_true", help="do not start the draft layers from the target's last layers")
-    t.add_argument("--num-prompts", type=int, default=512, help="standard-library prompts whose continuations are generated")
-    t.add_argument("--max-tokens", type=int, default=128, help="continuation length per prompt")
-    t.add_argument("--text-tokens", type=int, default=131_072, help="standard-library source tokens used as real text")
-    t.add_argument("--steps", type=int, default=4000)
-    t.add_argument("--seqs-per-step", type=int, default=8)
-    t.add_argument("--anchors-per-seq", type=int, default=16)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--checkpoint-every", type=int, default=100)
-    t.add_argument("--eval-every", type=int, default=250)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--num-prompts", type=int, default=r.num_prompts, help="standard-library prompts whose continuations are generated")
+    t.add_argument("--max-tokens", type=int, default=r.max_tokens, help="continuation length per prompt")
+    t.add_argument("--text-tokens", type=int, default=r.text_tokens, help="standard-library source tokens used as real text")
+    t.add_argument("--steps", type=int, default=c.steps)
+    t.add_argument("--seqs-per-step", type=int, default=c.seqs_per_step)
+    t.add_argument("--anchors-per-seq", type=int, default=c.anchors_per_seq)
+    t.add_argument("--lr", type=float, default=c.lr)
+    t.add_argument("--loss-vocab", choices=LOSS_VOCABS, default=c.loss_vocab,
+                   help="the loss's softmax over the full vocabulary or over the tokens the target predicts in the data")
+    t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)
+    t.add_argument("--eval-every", type=int, default=c.eval_every)
+    t.add_argument("--seed", type=int, default=c.seed)
     t.set_defaults(func=_train_draft)
 
 

@@ -101,6 +101,13 @@ def test_llm_validates_speculative_config_before_loading(tiny_llama):
         LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"})
 
 
+def test_dflash_without_a_model_needs_a_target_tpspec_ships_a_drafter_for(tiny_llama):
+    """Only the default model and the packaged Gemma 3 have shipped drafters; any other target
+    must name one, and the message says which targets do not need to."""
+    with pytest.raises(ValueError, match=r"speculative_config.model is required .*gemma-3-270m"):
+        LLM(tiny_llama, speculative_config={"method": "dflash", "num_speculative_tokens": 3})
+
+
 @pytest.mark.parametrize("tp,draft_tp", [(1, 2), (2, 3), (2, 4)])
 def test_draft_tensor_parallel_size_must_be_1_or_the_targets(tiny_llama, tp, draft_tp):
     # Raised by EngineConfig, before any worker is spawned.

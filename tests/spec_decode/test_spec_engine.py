@@ -86,8 +86,8 @@ def models(tiny_llama, tiny_qwen3, tmp_path_factory) -> dict[str, str]:
 def _trained_dflash(target: str, work: str, out: str) -> str:
     """A 1-layer DFlash drafter trained (by tpspec's own trainer) on the target's greedy
     continuations of PROMPTS, just long enough to accept drafts often but not always."""
-    from tpspec.train.train_draft import DraftRecipe, train_draft
-    from tpspec.train.trainer import TrainConfig
+    from tpspec.train.recipe import DraftRecipe, TrainConfig
+    from tpspec.train.train_draft import train_draft
 
     recipe = DraftRecipe(num_layers=1, target_layer_ids=(0, 2), block_size=6, max_tokens=REF_TOKENS,
                          generation_dtype="float32", max_num_seqs=8, text_tokens=0)

@@ -1,5 +1,6 @@
 """Drafter training: HumanEval stays out of the data, labels follow the target's greedy chain,
-and a run cut at any moment resumes to exactly the weights of an uncut run."""
+a run cut at any moment resumes to exactly the weights of an uncut run, and a Gemma 3 target's
+drafter trains on the inputs and logits the serving engine gives it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from tpspec.train.data import humaneval_signatures, stdlib_prompts, text_shards
-from tpspec.train.train_draft import DraftRecipe, train_draft
-from tpspec.train.trainer import DFlashTrainer, TrainConfig, build_blocks
+from tpspec.train.recipe import DraftRecipe, TrainConfig
+from tpspec.train.train_draft import train_draft
+from tpspec.train.trainer import DFlashTrainer, build_blocks
 
 
 def test_stdlib_prompts_leave_humaneval_out():
@@ -92,3 +94,35 @@ def test_training_cut_at_any_moment_resumes_exactly(tiny_llama, tmp_path, monkey
     a, b = load_file(str(tmp_path / "a-out" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "fc.weight" in a and "layers.0.self_attn.q_norm.weight" in a  # the public DFlash layout
+
+
+def test_a_gemma3_drafter_trains_on_what_serving_feeds_it(tiny_gemma3, tmp_path, monkeypatch):
+    """The block embeddings are the target's ``embed_input_ids`` (Gemma's √hidden multiplier), the
+    logits its ``compute_logits`` (soft cap included), and the draft layers start from the target's
+    last layer read in Gemma's norm convention."""
+    from tpspec.config import ModelArchConfig
+    from tpspec.models.loader.safetensors import iterate_weights
+    from tpspec.models.registry import get_model_class
+
+    trainers = []
+    monkeypatch.setattr(DFlashTrainer, "run", lambda self, export_dir=None: trainers.append(self) or {})
+    recipe = DraftRecipe(num_layers=1, target_layer_ids=(0, 2), block_size=6, max_tokens=8,
+                         generation_dtype="float32", max_num_seqs=4, text_tokens=0)
+    train_draft(str(tmp_path / "w"), str(tmp_path / "out"), tiny_gemma3, recipe, CFG, PROMPTS, PROMPTS[:1])
+    (trainer,) = trainers
+    arch = ModelArchConfig.from_folder(tiny_gemma3)
+    target = get_model_class(arch.architecture)(arch)
+    target.load_weights(iterate_weights(tiny_gemma3))
+    ids = torch.arange(arch.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.embed, target.embed_input_ids(ids), rtol=1e-6, atol=0)
+        hidden = torch.randn(16, arch.hidden_size) * 3
+        # the trainer's LM head runs in bfloat16: compare at its precision, then the exact cap
+        torch.testing.assert_close(trainer._logits(hidden), target.compute_logits(hidden), rtol=0.02, atol=0.05)
+        assert trainer._logits(hidden).abs().max() <= arch.final_logit_softcapping
+    gemma = target.layers[arch.num_hidden_layers - 1]
+    layer = trainer.model.layers[0]
+    assert torch.equal(layer.input_layernorm.weight, gemma.input_layernorm.weight)  # both 1 + w
+    assert torch.equal(layer.post_attention_layernorm.weight, gemma.pre_feedforward_layernorm.weight)
+    assert torch.equal(layer.self_attn.q_norm.weight, gemma.self_attn.q_norm.weight)
+    torch.testing.assert_close(layer.mlp.down_proj.weight, gemma.mlp.down_proj.weight, rtol=0, atol=0)

@@ -111,7 +111,7 @@ class EngineArgs:
         arch = ModelArchConfig.from_folder(folder)
         draft_arch = None
         if spec is not None:
-            spec, draft_arch = resolve_drafter(spec, folder, arch)
+            spec, draft_arch = resolve_drafter(spec, folder, arch, self.model)
         config = EngineConfig(
             model=folder,
             arch=arch,

@@ -25,6 +25,11 @@ def check_local_argmax_vocab(vocab_size: int) -> None:
         )
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap · tanh(logits / cap) (Gemma's final-logit soft cap); the logits unchanged for None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class LogitsProcessor:
     """Applies the LM head, then the model's logit transforms (scale, soft-cap), identically on
     every path that turns hidden states into token decisions."""
@@ -40,9 +45,7 @@ class LogitsProcessor:
 
     def local_logits(self, lm_head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> transformed shard logits [num_rows, shard_size] (float32)."""
-        logits = lm_head.local_logits(hidden).float()
-        if self.soft_cap is not None:
-            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        logits = soft_cap(lm_head.local_logits(hidden).float(), self.soft_cap)
         if self.scale != 1.0:
             logits = logits * self.scale
         return logits

@@ -108,7 +108,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.logits_processor = LogitsProcessor(cfg.vocab_size, soft_cap=cfg.final_logit_softcapping)
         # Hugging Face multiplies by √hidden_size rounded to the model's dtype.
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5).to(dtype), persistent=False)
+        self.register_buffer("embed_scale", torch.tensor(self.embed_multiplier(cfg)).to(dtype), persistent=False)
 
     def forward(
         self,
@@ -139,6 +139,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> the embedding rows times √hidden_size: [num_tokens, hidden_size]."""
         return self.embed_tokens(input_ids) * self.embed_scale
+
+    @staticmethod
+    def embed_multiplier(cfg: ModelArchConfig) -> float:
+        return cfg.hidden_size**0.5
 
     def compile_decode_layers(self) -> None:
         """As Llama's: decode steps through a ``torch.compile``d layer."""

@@ -176,6 +176,11 @@ class LlamaForCausalLM(nn.Module):
         borrow the target's embedding call this)."""
         return self.embed_tokens(input_ids)
 
+    @staticmethod
+    def embed_multiplier(cfg: ModelArchConfig) -> float:
+        """The factor ``embed_input_ids`` applies to the embedding rows (drafter training uses it)."""
+        return 1.0
+
     def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
         return self.logits_processor.compute_logits(self.lm_head, hidden, site)

@@ -22,22 +22,25 @@ def _is_default_model(folder: str) -> bool:
 
 
 def resolve_drafter(
-    spec: SpeculativeConfig, target_folder: str, target: ModelArchConfig
+    spec: SpeculativeConfig, target_folder: str, target: ModelArchConfig, target_name: str | None
 ) -> tuple[SpeculativeConfig, ModelArchConfig | None]:
-    """Returns the config with ``model`` resolved to a folder, and the draft's shape (None for ngram)."""
+    """Returns the config with ``model`` resolved to a folder, and the draft's shape (None for ngram).
+    ``target_name``: the target as the user named it (``--model``; None: the default model), which
+    picks the shipped drafter; a path to the default model picks the default's."""
     if spec.method == "ngram":
         return spec, None
     if spec.model is None:  # only dflash may omit it (SpeculativeConfig checks)
-        from tpspec.spec_decode.dflash import SHIPPED_DFLASH_DRAFTER
+        from tpspec.spec_decode.dflash import SHIPPED_DFLASH_DRAFTERS, shipped_dflash_drafter
 
-        if not _is_default_model(target_folder):
+        if target_name not in SHIPPED_DFLASH_DRAFTERS and _is_default_model(target_folder):
+            target_name = None
+        if target_name not in SHIPPED_DFLASH_DRAFTERS:
             raise ValueError(
-                "speculative_config.model is required for method 'dflash' unless the target is the default "
-                "model (tpspec ships a DFlash drafter only for SmolLM2-135M-Instruct)"
+                "speculative_config.model is required for method 'dflash' unless the target is one that tpspec "
+                "ships a DFlash drafter for: the default model or --model "
+                + ", ".join(name for name in SHIPPED_DFLASH_DRAFTERS if name is not None)
             )
-        if not os.path.isfile(os.path.join(SHIPPED_DFLASH_DRAFTER, "model.safetensors")):
-            raise FileNotFoundError(f"the shipped DFlash drafter is missing from {SHIPPED_DFLASH_DRAFTER}")
-        spec = dataclasses.replace(spec, model=SHIPPED_DFLASH_DRAFTER)
+        spec = dataclasses.replace(spec, model=shipped_dflash_drafter(target_name))
     else:
         spec = dataclasses.replace(spec, model=resolve_model(spec.model))
     if spec.method == "dflash":

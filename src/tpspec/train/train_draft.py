@@ -15,32 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 
 from tpspec.config import ModelArchConfig
 from tpspec.models.loader.resolve import resolve_model
+from tpspec.models.registry import get_model_class
 from tpspec.train.data import feature_shards, generate_shards, stdlib_prompts, stdlib_sources, text_shards
 from tpspec.train.dflash_module import DFlashTrainModel
-from tpspec.train.trainer import DFlashTrainer, FeatureData, TrainConfig, init_from_target, new_dflash_config
+from tpspec.train.recipe import DraftRecipe, TrainConfig
+from tpspec.train.trainer import DFlashTrainer, FeatureData, init_from_target, new_dflash_config
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DraftRecipe:
-    num_layers: int = 2
-    target_layer_ids: tuple[int, ...] | None = None  # None: evenly spread over the target
-    block_size: int = 16
-    mask_token_id: int | None = None  # None: the last id of the target's vocabulary
-    init_from_target: bool = True  # draft layers start as copies of the target's last layers
-    num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
-    max_tokens: int = 128  # continuation length per prompt
-    text_tokens: int = 131_072  # real-text tokens (0: none)
-    generation_dtype: str = "bfloat16"
-    max_num_seqs: int = 64
 
 
 def spread_layer_ids(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -107,12 +94,12 @@ def train_draft(
     lm_head = state.get("lm_head.weight", embed)
     if recipe.init_from_target:
         n = arch.num_hidden_layers
-        init_from_target(draft, state, list(range(n - recipe.num_layers, n)))
+        init_from_target(draft, state, arch, list(range(n - recipe.num_layers, n)))
     trainer = DFlashTrainer(
-        draft, embed, lm_head,
+        draft, embed.float() * get_model_class(arch.architecture).embed_multiplier(arch), lm_head,
         FeatureData.load(*train_folders),
         FeatureData.load(folders["held_out_features"]),
-        train_cfg, work_dir,
+        train_cfg, work_dir, logit_soft_cap=arch.final_logit_softcapping,
     )
     logger.info("training on %d tokens in %d sequences", trainer.train_data.num_tokens(), len(trainer.train_data.seqs))
     return trainer.run(export_dir=out_dir)

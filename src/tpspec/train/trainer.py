@@ -21,59 +21,67 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from tpspec.config import ModelArchConfig
+from tpspec.layers.logits import soft_cap
 from tpspec.models.dflash import DFLASH_ARCHITECTURE, DFlashConfig
 from tpspec.train.dflash_module import DFlashTrainModel
+from tpspec.train.recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 3000
-    seqs_per_step: int = 8
-    anchors_per_seq: int = 16
-    lr: float = 6e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.0
-    loss_decay_gamma: float = 5.0
-    grad_clip: float = 1.0
-    checkpoint_every: int = 100
-    eval_every: int = 250
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "seqs_per_step", "anchors_per_seq", "checkpoint_every", "eval_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"train config {name} must be a positive integer, got {v!r}")
-        if not self.lr > 0:
-            raise ValueError(f"train config lr must be > 0, got {self.lr!r}")
 
 
 def new_dflash_config(
     target: ModelArchConfig, num_layers: int, target_layer_ids: tuple[int, ...], block_size: int, mask_token_id: int
 ) -> DFlashConfig:
-    """A drafter shaped like the target's layers (Qwen3-style: q/k norms), ``num_layers`` deep."""
-    arch = dataclasses.replace(target, architecture=DFLASH_ARCHITECTURE, num_hidden_layers=num_layers, tie_word_embeddings=False)
+    """A drafter shaped like the target's layers, ``num_layers`` deep, in the public layout's
+    Qwen3 style (q/k norms, SiLU, full attention, one RoPE base) whatever the target's style."""
+    arch = dataclasses.replace(
+        target, architecture=DFLASH_ARCHITECTURE, num_hidden_layers=num_layers, tie_word_embeddings=False,
+        layer_types=None, sliding_window=None, rope_local_theta=None, query_pre_attn_scalar=None,
+        final_logit_softcapping=None, hidden_activation="silu",
+    )
     cfg = DFlashConfig(arch, block_size, mask_token_id, tuple(target_layer_ids), target.num_hidden_layers)
     cfg.validate(target, block_size - 1)
     return cfg
 
 
-def init_from_target(model: DFlashTrainModel, target_state: dict[str, torch.Tensor], target_layers: list[int]) -> None:
-    """Copy target decoder layers ``target_layers`` into the draft layers (q/k norms stay 1)."""
+def qwen3_layer_view(target_state: dict[str, torch.Tensor], target: ModelArchConfig, layer: int) -> dict[str, torch.Tensor]:
+    """Target decoder layer ``layer``'s tensors under a Qwen3 layer's names (the draft layers').
+
+    Llama and Qwen3 layers map one to one (Llama has no q/k norms). A Gemma 3 checkpoint stores
+    each norm's w of y = x̂·(1 + w), so 1 is added; its norm before the MLP is
+    ``pre_feedforward_layernorm``; its norms after attention and after the MLP have no place in a
+    Qwen3 layer and are dropped, and its GELU MLP weights run under SiLU: a starting point, not the
+    same function."""
+    prefix = f"model.layers.{layer}."
+    tensors = {k[len(prefix):]: v.float() for k, v in target_state.items() if k.startswith(prefix)}
+    if target.architecture != "Gemma3ForCausalLM":
+        return tensors
+    renamed = {"pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+               "post_attention_layernorm.weight": None, "post_feedforward_layernorm.weight": None}
+    out = {}
+    for name, t in tensors.items():
+        new = renamed.get(name, name)
+        if new is not None:
+            out[new] = t + 1.0 if new.endswith("norm.weight") else t
+    return out
+
+
+def init_from_target(
+    model: DFlashTrainModel, target_state: dict[str, torch.Tensor], target: ModelArchConfig, target_layers: list[int]
+) -> None:
+    """Copy target decoder layers ``target_layers`` into the draft layers (``qwen3_layer_view``;
+    a q/k norm the target lacks stays 1)."""
     for i, t in enumerate(target_layers):
+        view = qwen3_layer_view(target_state, target, t)
         for name, param in model.layers[i].named_parameters():
-            key = f"model.layers.{t}.{name}"
-            if key in target_state:
-                param.data.copy_(target_state[key].float())
+            if name in view:
+                param.data.copy_(view[name])
 
 
 class FeatureData:
@@ -95,6 +103,10 @@ class FeatureData:
             names = sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".pt"))
             shards += [torch.load(os.path.join(folder, n)) for n in names]
         return cls(shards)
+
+    def label_ids(self) -> torch.Tensor:
+        """The distinct token ids the target predicts anywhere in this data, sorted: [n]."""
+        return torch.unique(torch.cat([shard["argmax"].long() for shard in self.shards]))
 
     def num_tokens(self) -> int:
         return sum(n for _, _, n, _ in self.seqs)
@@ -154,16 +166,26 @@ class DFlashTrainer:
     def __init__(
         self,
         model: DFlashTrainModel,
-        embed_weight: torch.Tensor,  # [vocab_size, H] the target's embedding (= tied LM head)
+        embed_weight: torch.Tensor,  # [vocab_size, H] the target's input embedding (with its multiplier)
         lm_head_weight: torch.Tensor,  # [vocab_size, H]
         train: FeatureData,
         held_out: FeatureData,
         cfg: TrainConfig,
         out_dir: str,
+        logit_soft_cap: float | None = None,  # the target's final-logit soft cap
     ):
         self.model, self.cfg, self.out_dir = model, cfg, out_dir
         self.embed = embed_weight.float()
         self.lm_head = lm_head_weight.to(torch.bfloat16)
+        self.logit_soft_cap = logit_soft_cap
+        # The loss's vocabulary: its token ids [loss_vocab_size], their LM-head rows, and each
+        # token id's index in it [vocab_size] (-100 for tokens outside).
+        vocab = lm_head_weight.shape[0]
+        full = cfg.loss_vocab == "full"
+        self.loss_ids = torch.arange(vocab) if full else train.label_ids()
+        self.loss_head = self.lm_head if full else self.lm_head[self.loss_ids]
+        self.loss_index = torch.full((vocab,), -100, dtype=torch.int64)
+        self.loss_index[self.loss_ids] = torch.arange(len(self.loss_ids))
         self.train_data, self.held_out = train, held_out
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step = 0
@@ -226,9 +248,11 @@ class DFlashTrainer:
             batch.append((tok, feat, argmax, sorted(self.rng.sample(range(lo, hi + 1), k))))
         return build_blocks(batch, bs, self.model.config.mask_token_id)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [rows, H] -> [rows, vocab] float32 through the frozen LM head (bfloat16 matmul)."""
-        return F.linear(hidden.to(torch.bfloat16), self.lm_head).float()
+    def _logits(self, hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [rows, H] -> [rows, vocab] float32 through the frozen LM head (bfloat16 matmul)
+        and the target's soft cap; ``lm_head``: some of its rows instead (``loss_head``)."""
+        head = self.lm_head if lm_head is None else lm_head
+        return soft_cap(F.linear(hidden.to(torch.bfloat16), head).float(), self.logit_soft_cap)
 
     def train_step(self) -> float:
         features, ctx_pos, block_ids, block_pos, mask, labels = self._sample_batch()
@@ -237,8 +261,9 @@ class DFlashTrainer:
         valid = labels.view(-1) >= 0
         bs = self.model.config.block_size
         weights = self.pos_weight.repeat(labels.shape[1] // bs).expand_as(labels).reshape(-1)[valid]
-        logits = self._logits(hidden.reshape(-1, hidden.shape[-1])[valid])
-        loss = (F.cross_entropy(logits, labels.view(-1)[valid], reduction="none") * weights).sum() / weights.sum()
+        logits = self._logits(hidden.reshape(-1, hidden.shape[-1])[valid], self.loss_head)  # [rows, loss vocab]
+        targets = self.loss_index[labels.view(-1)[valid]]
+        loss = (F.cross_entropy(logits, targets, reduction="none") * weights).sum() / weights.sum()
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
         self.opt.zero_grad(set_to_none=True)

@@ -1,0 +1,52 @@
+"""What ``tpspec train-draft`` is told: the drafter and its data (``DraftRecipe``) and the
+optimization (``TrainConfig``). No torch here: the command line reads its defaults from these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+LOSS_VOCABS = ("full", "labels")
+
+
+@dataclass(frozen=True)
+class DraftRecipe:
+    num_layers: int = 2
+    target_layer_ids: tuple[int, ...] | None = None  # None: evenly spread over the target
+    block_size: int = 16
+    mask_token_id: int | None = None  # None: the last id of the target's vocabulary
+    init_from_target: bool = True  # draft layers start as copies of the target's last layers
+    num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
+    max_tokens: int = 128  # continuation length per prompt
+    text_tokens: int = 131_072  # real-text tokens (0: none)
+    generation_dtype: str = "bfloat16"
+    max_num_seqs: int = 64
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 3000
+    seqs_per_step: int = 8
+    anchors_per_seq: int = 16
+    lr: float = 6e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    loss_decay_gamma: float = 5.0
+    # The loss's softmax over the "full" vocabulary, or over the "labels": the tokens the target
+    # predicts somewhere in the training data (every label is one; far cheaper at a large vocabulary;
+    # held-out acceptance is always scored over the full vocabulary).
+    loss_vocab: str = "full"
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    eval_every: int = 250
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seqs_per_step", "anchors_per_seq", "checkpoint_every", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"train config {name} must be a positive integer, got {v!r}")
+        if self.loss_vocab not in LOSS_VOCABS:
+            raise ValueError(f"train config loss_vocab must be one of {LOSS_VOCABS}, got {self.loss_vocab!r}")
+        if not self.lr > 0:
+            raise ValueError(f"train config lr must be > 0, got {self.lr!r}")
