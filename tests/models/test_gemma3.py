@@ -2,8 +2,9 @@
 set-up): logits equal transformers' on the same GGUF file, over a prompt longer than the 512-token
 sliding window too; greedy generation across the window's edge equals transformers'; TP 2 equals
 TP 1 (greedy and seeded); the flag's argmax equals the gathered one at vocab 262,144, ties
-included; greedy speculation equals plain decoding with the flag on and off, and draft selection
-moves 4 × 262,144 bytes per row without the flag and 8 × TP with it.
+included; greedy speculation (the model drafting for itself, and the shipped DFlash drafter)
+equals plain decoding with the flag on and off, and draft selection moves 4 × 262,144 bytes per
+row without the flag and 8 × TP with it.
 
 The tiny random Gemma 3 (``tiny_gemma3``) covers the same code at TP 1, 2 and 4 in
 test_reference_parity.py, with every Gemma-specific feature away from its neutral value."""
@@ -149,5 +150,19 @@ def test_greedy_speculation_equals_plain_and_counts_draft_bytes(folder, prompts,
         out = llm.generate([prompts["short"]], GREEDY, use_tqdm=False)[0]
         stats = llm.get_stats()
     assert out.outputs[0].token_ids == _generate(folder, 1, prompts, GREEDY)[0]
+    assert stats["num_accepted_tokens"] > 0
+    assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * VOCAB)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_shipped_dflash_drafter_is_lossless(folder, prompts, flag):
+    """``{"method": "dflash"}`` with no ``model`` on ``--model gemma-3-270m``: the drafter shipped
+    for it (src/tpspec/drafters/gemma-3-270m-dflash), 15 drafts per step at TP 2, across the window."""
+    spec = {"method": "dflash", "num_speculative_tokens": 15, "adaptive": False, "use_local_argmax_reduction": flag}
+    with LLM(GEMMA, tensor_parallel_size=2, max_model_len=1024, speculative_config=spec) as llm:
+        assert llm.llm_engine.config.speculative.model.endswith("gemma-3-270m-dflash")
+        outs = llm.generate([prompts["short"], prompts["long"]], GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in outs] == _generate(folder, 1, prompts, GREEDY)
     assert stats["num_accepted_tokens"] > 0
     assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * VOCAB)

@@ -4,6 +4,7 @@ drafter trains on the inputs and logits the serving engine gives it."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -126,3 +127,27 @@ def test_a_gemma3_drafter_trains_on_what_serving_feeds_it(tiny_gemma3, tmp_path,
     assert torch.equal(layer.post_attention_layernorm.weight, gemma.pre_feedforward_layernorm.weight)
     assert torch.equal(layer.self_attn.q_norm.weight, gemma.self_attn.q_norm.weight)
     torch.testing.assert_close(layer.mlp.down_proj.weight, gemma.mlp.down_proj.weight, rtol=0, atol=0)
+
+
+def test_the_labels_loss_vocabulary_holds_every_label(tiny_llama, tmp_path, monkeypatch):
+    """``loss_vocab="labels"``: the loss's softmax runs over the tokens the target predicts in the
+    training data, which contain every label a batch can draw; its logits are the full logits' columns."""
+    import dataclasses
+
+    trainers = []
+    monkeypatch.setattr(DFlashTrainer, "run", lambda self, export_dir=None: trainers.append(self) or {})
+    cfg = dataclasses.replace(CFG, loss_vocab="labels")
+    train_draft(str(tmp_path / "w"), str(tmp_path / "out"), tiny_llama, RECIPE, cfg, PROMPTS, PROMPTS[:1])
+    (trainer,) = trainers
+    vocab = trainer.lm_head.shape[0]
+    assert 0 < len(trainer.loss_ids) < vocab
+    for _ in range(20):
+        labels = trainer._sample_batch()[-1]
+        labels = labels[labels >= 0]
+        assert len(labels) and (trainer.loss_index[labels] >= 0).all()
+        assert torch.equal(trainer.loss_ids[trainer.loss_index[labels]], labels)
+    hidden = torch.randn(4, trainer.lm_head.shape[1])
+    torch.testing.assert_close(trainer._logits(hidden, trainer.loss_head), trainer._logits(hidden)[:, trainer.loss_ids])
+    assert math.isfinite(trainer.train_step())
+    with pytest.raises(ValueError, match="loss_vocab"):
+        dataclasses.replace(CFG, loss_vocab="top-k")
