@@ -61,8 +61,10 @@ def load_head(args, folder: str | None, dtype: torch.dtype):
             rows = sl[head.vocab_start : head.vocab_start + head.num_real]
             head.weight.data[: head.num_real].copy_(rows.to(dtype))
         norm = f.get_tensor("model.norm.weight").float() if "model.norm.weight" in keys else torch.ones(hidden)
-    if cfg.get("model_type") == "gemma3_text":  # Gemma's norm scales by 1 + w
-        norm = norm + 1.0
+    from tpspec.config import ModelArchConfig
+    from tpspec.models.registry import get_model_class
+
+    norm = norm + get_model_class(ModelArchConfig.from_hf_config(cfg).architecture).norm_weight_offset  # Gemma: 1 + w
     return head, norm
 
 

@@ -30,11 +30,13 @@ class GemmaRMSNorm(RMSNorm):
     """y = x / sqrt(mean(x²) + eps) · (1 + w), in float32, rounded to x's dtype at the end. The
     parameter holds (1 + w) in float32, made so when the checkpoint's w is loaded."""
 
+    weight_offset = 1.0  # what the parameter holds beyond the checkpoint's w
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__(hidden_size, eps, torch.float32)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        param.data.copy_(loaded[:].float() + 1.0)
+        param.data.copy_(loaded[:].float() + self.weight_offset)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
@@ -96,6 +98,8 @@ def _call_layer(layer: Gemma3DecoderLayer, rope, hidden, kv_cache, md):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Llama's interface (forward, logits, top tokens, weight loading, captures for drafters) over
     Gemma 3's decoder."""
+
+    norm_weight_offset = GemmaRMSNorm.weight_offset
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32):
         if cfg.layer_types is None or cfg.sliding_window is None:

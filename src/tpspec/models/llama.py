@@ -107,6 +107,8 @@ class LlamaForCausalLM(nn.Module):
     by ``kv_cache_shape``. Hidden states of chosen layers can be captured for drafters."""
 
     qk_norm = False
+    # Added to a checkpoint's RMSNorm weights to get the factor the norms scale by (Gemma: 1 + w).
+    norm_weight_offset = 0.0
     # checkpoint sub-name -> (our parameter sub-name, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from tpspec.config import ModelArchConfig
 from tpspec.layers.logits import soft_cap
 from tpspec.models.dflash import DFLASH_ARCHITECTURE, DFlashConfig
+from tpspec.models.registry import get_model_class
 from tpspec.train.dflash_module import DFlashTrainModel
 from tpspec.train.recipe import TrainConfig
 
@@ -53,22 +54,23 @@ def new_dflash_config(
 def qwen3_layer_view(target_state: dict[str, torch.Tensor], target: ModelArchConfig, layer: int) -> dict[str, torch.Tensor]:
     """Target decoder layer ``layer``'s tensors under a Qwen3 layer's names (the draft layers').
 
-    Llama and Qwen3 layers map one to one (Llama has no q/k norms). A Gemma 3 checkpoint stores
-    each norm's w of y = x̂·(1 + w), so 1 is added; its norm before the MLP is
-    ``pre_feedforward_layernorm``; its norms after attention and after the MLP have no place in a
-    Qwen3 layer and are dropped, and its GELU MLP weights run under SiLU: a starting point, not the
-    same function."""
+    Llama and Qwen3 layers map one to one (Llama has no q/k norms). Norm weights get the target's
+    ``norm_weight_offset`` (a Gemma 3 checkpoint stores w of y = x̂·(1 + w)). A layer with
+    Gemma's four norms norms before the MLP with ``pre_feedforward_layernorm``; its norms after
+    attention and after the MLP have no place in a Qwen3 layer and are dropped, and its GELU MLP
+    weights run under SiLU: a starting point, not the same function."""
     prefix = f"model.layers.{layer}."
+    offset = get_model_class(target.architecture).norm_weight_offset
     tensors = {k[len(prefix):]: v.float() for k, v in target_state.items() if k.startswith(prefix)}
-    if target.architecture != "Gemma3ForCausalLM":
-        return tensors
-    renamed = {"pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
-               "post_attention_layernorm.weight": None, "post_feedforward_layernorm.weight": None}
+    renamed = {}
+    if "pre_feedforward_layernorm.weight" in tensors:
+        renamed = {"pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+                   "post_attention_layernorm.weight": None, "post_feedforward_layernorm.weight": None}
     out = {}
     for name, t in tensors.items():
         new = renamed.get(name, name)
         if new is not None:
-            out[new] = t + 1.0 if new.endswith("norm.weight") else t
+            out[new] = t + offset if new.endswith("norm.weight") else t
     return out
 
 
