@@ -11,6 +11,7 @@ import sys
 import time
 
 from tpspec.bench.server_options import ServerOptions
+from tpspec.distributed.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
 from tpspec.train.recipe import LOSS_VOCABS, DraftRecipe, TrainConfig
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         logging.getLogger("tpspec").error("%s", e)
         return 2
+    except NodeStartError as e:  # a multi-node engine's node did not join, or left while starting
+        logging.getLogger("tpspec").error("%s", e)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 import tpspec.distributed.executor as executor_mod
+import tpspec.distributed.local_workers as local_workers_mod
 from tpspec import LLM, SamplingParams
 from tpspec.distributed.executor import EngineDeadError
 
@@ -179,7 +180,7 @@ def test_worker_dying_during_startup_fails_the_start(tiny_llama, monkeypatch):
         started.append(p.pid)
         return p
 
-    monkeypatch.setattr(executor_mod.subprocess, "Popen", crashing_worker)
+    monkeypatch.setattr(local_workers_mod.subprocess, "Popen", crashing_worker)
     _, error, seconds = _call(lambda: LLM(tiny_llama, **ENGINE), timeout=60)
     monkeypatch.undo()
     assert started and error is not None

@@ -18,17 +18,23 @@ from tpspec.distributed.parallel_state import get_state
 
 _CALLS: dict[str, int] = defaultdict(int)
 _BYTES: dict[str, int] = defaultdict(int)
+_CROSS_NODE_BYTES: dict[str, int] = defaultdict(int)
 _ROWS: dict[str, int] = defaultdict(int)
 
 
 def _count(site: str, nbytes: int) -> None:
     _CALLS[site] += 1
     _BYTES[site] += nbytes
+    if get_state().nnodes > 1:
+        _CROSS_NODE_BYTES[site] += nbytes
 
 
 def get_comm_stats() -> dict[str, dict[str, int]]:
-    """``{site: {"calls": n, "bytes": b}}`` for this rank since the last reset."""
-    return {site: {"calls": _CALLS[site], "bytes": _BYTES[site]} for site in sorted(_CALLS)}
+    """``{site: {"calls": n, "bytes": b, "cross_node_bytes": c}}`` for this rank since the last reset."""
+    return {
+        site: {"calls": _CALLS[site], "bytes": _BYTES[site], "cross_node_bytes": _CROSS_NODE_BYTES[site]}
+        for site in sorted(_CALLS)
+    }
 
 
 def count_rows(site: str, rows: int) -> None:
@@ -44,6 +50,7 @@ def get_row_stats() -> dict[str, int]:
 def reset_comm_stats() -> None:
     _CALLS.clear()
     _BYTES.clear()
+    _CROSS_NODE_BYTES.clear()
     _ROWS.clear()
 
 

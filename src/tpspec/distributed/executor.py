@@ -1,16 +1,16 @@
-"""The driver (rank 0, in the engine's process) plus tp−1 worker processes.
-
-Workers are fresh interpreters (``python -m tpspec.distributed.executor``) that read their
-arguments from stdin, so they never re-import the user's main module (a script without an
-``if __name__ == "__main__"`` guard works).
+"""The driver (rank 0, in the engine's process) plus the other TP ranks: worker processes on this
+node (``local_workers``) and, for a multi-node engine, the ranks of the other nodes, each run by
+its node agent (``node_agent``) and linked to the head (``node_link``).
 
 Each step the driver broadcasts the step input over the gloo control group and every rank runs
 the model on it (SPMD). A dead worker breaks the next collective at once (gloo reports the closed
-connection) or is seen by a watchdog thread; either way the engine raises ``EngineDeadError``. The
-watchdog also tells the ``on_death`` listeners at once, so an idle engine (an ``AsyncEngine``
-waiting for requests) ends without waiting for the next step. A
-worker that exits while the TP group forms fails the start at once. Workers die with the driver
-(PR_SET_PDEATHSIG) and are joined or killed on shutdown, which also runs at interpreter exit.
+connection) or is seen by a watchdog thread (a local worker's exit, a node's link closing or
+reporting a dead rank); either way the engine raises ``EngineDeadError``. The watchdog also tells
+the ``on_death`` listeners at once, so an idle engine (an ``AsyncEngine`` waiting for requests)
+ends without waiting for the next step. A worker or node that fails while the TP group forms
+fails the start at once. Local workers die with the driver (PR_SET_PDEATHSIG), a node's workers
+with its agent, which exits when the head's link closes; all are joined or killed on shutdown,
+which also runs at interpreter exit.
 
 Between steps the workers wait for the driver's next message in a gloo broadcast, which gives
 up after ``worker_timeout_s``; so that an idle engine (a server without requests) keeps its
@@ -24,17 +24,9 @@ executor with tensor_parallel_size > 1 and no other executor beside it.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
-import os
-import pickle
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 
@@ -42,74 +34,16 @@ import torch
 
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
+from tpspec.distributed.fingerprint import config_fingerprint
+from tpspec.distributed.local_workers import EngineDeadError, LocalWorkers, rank_device, threads_per_rank
+from tpspec.distributed.node_link import HeadLinks, rendezvous_method
 from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, get_state, init_distributed
 from tpspec.worker.model_runner import ModelRunner
 from tpspec.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """A TP worker died or a collective failed: the engine cannot continue."""
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        pass
-
-
-def _device(kind: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
-
-
-def _threads_per_rank(tp: int) -> int:
-    """Intra-op threads per rank: ``OMP_NUM_THREADS`` when set (e.g. 1 beside a busy HTTP thread),
-    else the CPUs shared out among the ranks."""
-    explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if explicit.isdigit() and int(explicit) > 0:
-        return int(explicit)
-    return max(1, (os.cpu_count() or 1) // tp)
-
-
-def _worker_main(
-    rank: int, config: EngineConfig, device_kind: str, init_method: str, driver_pid: int, ready_fd: int
-) -> None:
-    _die_with_parent()
-    if os.getppid() != driver_pid:  # the driver died before the death signal was armed
-        os._exit(1)
-    # Ctrl-C in a terminal reaches the whole process group. It is the driver's to handle (it shuts
-    # the workers down, or kills them when the interrupt cut a step short); a worker quitting on
-    # its own would leave mid-collective and race the driver's handling with a dead-worker error.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format=f"[tpspec worker {rank}] %(levelname)s %(message)s")
-    tp = config.parallel.tensor_parallel_size
-    torch.set_num_threads(_threads_per_rank(tp))
-    try:
-        device = _device(device_kind, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        os.write(ready_fd, b".")  # about to join the TP group (see Executor._wait_for_workers)
-        os.close(ready_fd)
-        init_distributed(rank, tp, init_method, config.parallel.backend, device, config.parallel.worker_timeout_s)
-        runner = ModelRunner(config, device)
-        runner.load_model()
-        while True:
-            kind, arg = comm.broadcast_object(None, "rpc")
-            if kind == "shutdown":
-                break
-            if kind == "execute":
-                runner.execute(arg)
-            elif kind == "call":
-                getattr(runner, arg)()
-            elif kind == "ready":
-                pass
-    except Exception:  # the driver sees the closed connection; log why this rank went away
-        logging.getLogger(__name__).error("worker %d failed:\n%s", rank, traceback.format_exc())
-        os._exit(1)
-    destroy_distributed()
+__all__ = ["EngineDeadError", "Executor"]
 
 
 _LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
@@ -129,19 +63,25 @@ KEEPALIVE_FRACTION = 0.25
 class Executor:
     def __init__(self, config: EngineConfig, device_kind: str):
         self.config = config
-        self.tp = config.parallel.tensor_parallel_size
-        self.workers: list[subprocess.Popen] = []
+        parallel = config.parallel
+        self.tp = parallel.tensor_parallel_size
+        if parallel.node_rank != 0:
+            raise ValueError(f"the engine runs on the head node (node_rank 0), got node_rank={parallel.node_rank}: "
+                             "the other nodes run `tpspec serve --headless`")
+        self.local: LocalWorkers | None = None  # this node's ranks but 0
+        self.nodes: HeadLinks | None = None  # the other nodes (multi-node)
         self.dead: str | None = None
         self._last_rpc = time.monotonic()
         self._stopping = threading.Event()  # set by shutdown: the keep-alive thread ends
         self._death_listeners: list[Callable[[str], None]] = []
         self._death_lock = threading.Lock()  # a listener is told exactly once, however the race goes
         self._closed = False
+        self._started = False  # every rank has joined and loaded the model
         self._step_lock = threading.Lock()  # held while the ranks run a step (shutdown may come from another thread)
-        if device_kind == "cuda" and torch.cuda.device_count() < self.tp:
+        if device_kind == "cuda" and torch.cuda.device_count() < parallel.ranks_per_node:
             raise ValueError(
-                f"tensor_parallel_size={self.tp} needs one CUDA device per rank; "
-                f"{torch.cuda.device_count()} visible"
+                f"tensor_parallel_size={self.tp} over nnodes={parallel.nnodes} needs {parallel.ranks_per_node} "
+                f"CUDA device(s) per node; {torch.cuda.device_count()} visible"
             )
         live = [e for e in _LIVE if not e._closed]
         if live and (self.tp > 1 or any(e.tp > 1 for e in live)):
@@ -152,89 +92,59 @@ class Executor:
                 "the only one in its process; shut the other down first"
             )
         _LIVE.add(self)
-        torch.set_num_threads(_threads_per_rank(self.tp))
+        torch.set_num_threads(threads_per_rank(config))
         comm.reset_comm_stats()  # counters are per process; start this engine's from zero
-        init_method = f"tcp://127.0.0.1:{get_free_port()}"
         try:
-            ready_r, ready_w = os.pipe()
-            try:
-                try:
-                    for rank in range(1, self.tp):
-                        p = subprocess.Popen(
-                            [sys.executable, "-m", "tpspec.distributed.executor"],
-                            stdin=subprocess.PIPE,
-                            pass_fds=(ready_w,),
-                        )
-                        self.workers.append(p)
-                        p.stdin.write(pickle.dumps((rank, config, device_kind, init_method, os.getpid(), ready_w)))
-                        p.stdin.close()
-                finally:
-                    os.close(ready_w)  # the workers hold their own copies
-                self._wait_for_workers(ready_r)
-            finally:
-                os.close(ready_r)
-            device = _device(device_kind, 0)
-            init_distributed(0, self.tp, init_method, config.parallel.backend, device, config.parallel.worker_timeout_s)
+            if parallel.nnodes > 1:
+                self.nodes = HeadLinks(parallel, config_fingerprint(config, device_kind))
+                self.nodes.admit()  # ValueError / NodeStartError: a node differs or is missing
+                init_method = rendezvous_method(parallel)
+            else:
+                init_method = f"tcp://{parallel.master_addr}:{parallel.master_port or get_free_port()}"
+            if self.tp > 1:
+                self.local = LocalWorkers(config, device_kind, parallel.node_ranks()[1:], init_method)
+                self.local.wait_until_joining(parallel.worker_timeout_s)
+            if self.nodes is not None:
+                self.nodes.wait_ready(self.local.check if self.local else lambda: None)
+            device = rank_device(device_kind, config, 0)
+            init_distributed(0, self.tp, init_method, parallel.backend, device, parallel.worker_timeout_s,
+                             parallel.nnodes)
             self.runner = ModelRunner(config, device)
             self.runner.load_model()
             self._rpc("ready", None)
+            self._started = True
         except BaseException:  # Ctrl-C too: never leave workers waiting in the rendezvous
             self.shutdown()
             raise
-        for rank, p in enumerate(self.workers, start=1):
-            threading.Thread(target=self._watch, args=(rank, p), name=f"tpspec-watchdog-{rank}", daemon=True).start()
-        if self.workers:
+        if self.local is not None:
+            self.local.watch(self._declare_dead)
+        if self.nodes is not None:
+            self.nodes.watch(self._declare_dead)
+        if self.tp > 1:
             threading.Thread(target=self._keep_alive, name="tpspec-keepalive", daemon=True).start()
+
+    @property
+    def workers(self) -> list:
+        """This node's worker processes (``subprocess.Popen``)."""
+        return self.local.procs if self.local is not None else []
 
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
-    def _wait_for_workers(self, ready_fd: int) -> None:
-        """Wait until every worker is about to join the TP group (it writes a byte to ``ready_fd``);
-        one that exits first (bad device, import error, killed) fails the start at once. Rank 0
-        only joins after that: an init_process_group left waiting for a dead rank would break every
-        later one in this process."""
-        missing = len(self.workers)
-        deadline = time.monotonic() + self.config.parallel.worker_timeout_s
-        while missing:
-            if select.select([ready_fd], [], [], 0.05)[0]:
-                data = os.read(ready_fd, missing)
-                missing -= len(data)
-                if not data:  # every worker closed its end: some exited without reporting
-                    time.sleep(0.01)
-            for rank, p in enumerate(self.workers, start=1):
-                if p.poll() is not None:
-                    raise EngineDeadError(
-                        f"TP worker rank {rank} (pid {p.pid}) exited with exit code {p.returncode} "
-                        "before joining the TP group; see its log above"
-                    )
-            if missing and time.monotonic() > deadline:
-                raise EngineDeadError(
-                    f"TP workers did not start within worker_timeout_s={self.config.parallel.worker_timeout_s} s"
-                )
-
-    def _watch(self, rank: int, p: subprocess.Popen) -> None:
-        if hasattr(os, "waitid"):
-            # Wait without reaping: a thread blocked in p.wait() holds the Popen's lock, and at
-            # interpreter exit (daemon threads frozen) it would keep shutdown's p.wait() from returning.
-            try:
-                info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
-                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-            except ChildProcessError:  # already reaped by shutdown
-                code = p.returncode
-        else:
-            code = p.wait()
-        if not self._closed and not self.dead:
-            self.dead = f"TP worker rank {rank} (pid {p.pid}) died with exit code {code}"
-            logger.error(self.dead)
-            shm = get_state().shm
-            if shm is not None:  # a shared-memory collective waiting for it gives up now
-                shm.abort_reason = self.dead
-            with self._death_lock:
-                listeners, self._death_listeners = self._death_listeners, []
-            for callback in listeners:
-                self._tell(callback, self.dead)
+    def _declare_dead(self, reason: str) -> None:
+        """A rank died (a local worker exited, a node's link closed or reported one): fail fast."""
+        if self._closed or self.dead:
+            return
+        self.dead = reason
+        logger.error(self.dead)
+        shm = get_state().shm
+        if shm is not None:  # a shared-memory collective waiting for it gives up now
+            shm.abort_reason = self.dead
+        with self._death_lock:
+            listeners, self._death_listeners = self._death_listeners, []
+        for callback in listeners:
+            self._tell(callback, self.dead)
 
     def _keep_alive(self) -> None:
         """While the engine is idle, a "ready" message every ``KEEPALIVE_FRACTION ·
@@ -297,7 +207,7 @@ class Executor:
             try:
                 return run_here()
             except BaseException as e:
-                if not self.workers:
+                if self.tp == 1:
                     raise
                 # The ranks are out of step now (or a peer is gone): nothing more can run.
                 self.dead = self.dead or f"TP {kind} failed: {type(e).__name__}: {e}"
@@ -311,7 +221,7 @@ class Executor:
         self._closed = True
         self._stopping.set()
         _LIVE.discard(self)
-        graceful = bool(self.workers) and not self.dead
+        graceful = self.tp > 1 and self._started and not self.dead
         # A step still running in another thread (e.g. at interpreter exit) would interleave with
         # the shutdown message: then the workers are killed instead.
         if graceful and self._step_lock.acquire(timeout=1):
@@ -323,17 +233,8 @@ class Executor:
                 self._step_lock.release()
         else:
             graceful = False
-        for p in self.workers:
-            if graceful:
-                try:
-                    p.wait(timeout=5)
-                    continue
-                except subprocess.TimeoutExpired:
-                    pass
-            p.kill()  # out of step with us (or stuck): it cannot stop by itself
-            p.wait()
+        if self.local is not None:
+            self.local.stop(graceful)
+        if self.nodes is not None:  # after the local workers: the other nodes had the message too
+            self.nodes.close(shutdown=graceful)
         destroy_distributed()
-
-
-if __name__ == "__main__":
-    _worker_main(*pickle.load(sys.stdin.buffer))

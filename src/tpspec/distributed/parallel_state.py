@@ -27,7 +27,8 @@ class ParallelState:
     backend: str
     group: object | None  # tensor collectives
     cpu_group: object | None  # pickled control messages (always gloo)
-    shm: ShmCommunicator | None = None  # CPU ranks: shared-memory all-reduce / all-gather
+    shm: ShmCommunicator | None = None  # CPU ranks on one node: shared-memory all-reduce / all-gather
+    nnodes: int = 1  # the nodes the group spans: every collective crosses nodes when > 1
 
 
 _STATE = ParallelState(0, 1, torch.device("cpu"), "none", None, None)
@@ -41,9 +42,12 @@ def get_free_port() -> int:
 
 
 def init_distributed(
-    rank: int, world_size: int, init_method: str, backend: str, device: torch.device, timeout_s: float
+    rank: int, world_size: int, init_method: str, backend: str, device: torch.device, timeout_s: float,
+    nnodes: int = 1,
 ) -> ParallelState:
-    """Join the TP group. ``world_size == 1`` creates no process group at all."""
+    """Join the TP group. ``world_size == 1`` creates no process group at all. CPU ranks all on one
+    node (``nnodes == 1``) also share a shared-memory communicator; across nodes every collective
+    goes through ``backend``."""
     global _STATE
     if world_size == 1:
         _STATE = ParallelState(0, 1, device, "none", None, None)
@@ -53,8 +57,8 @@ def init_distributed(
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    shm = _init_shm(rank, world_size, timeout_s) if device.type == "cpu" and shm_available() else None
-    _STATE = ParallelState(rank, world_size, device, backend, dist.group.WORLD, cpu_group, shm)
+    shm = _init_shm(rank, world_size, timeout_s) if device.type == "cpu" and nnodes == 1 and shm_available() else None
+    _STATE = ParallelState(rank, world_size, device, backend, dist.group.WORLD, cpu_group, shm, nnodes)
     logger.debug("rank %d/%d joined (%s)", rank, world_size, backend)
     return _STATE
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpspec.config import (
+    BACKENDS,
+    DEFAULT_MASTER_PORT,
     SAMPLING_MODES,
     SUPPORTED_DTYPES,
     CacheConfig,
@@ -65,6 +67,20 @@ class EngineArgs:
     sampling_mode: str = _option(
         _config_default(EngineConfig, "sampling_mode"), "vocab-parallel: every rank samples and verifies from its own "
         "vocab shard, O(tp) bytes per row instead of O(vocab); same tokens", str, SAMPLING_MODES)
+    nnodes: int = _option(_config_default(ParallelConfig, "nnodes"), "machines the TP ranks are spread over "
+                          "(evenly); the others run `tpspec serve --headless`", int)
+    node_rank: int = _option(_config_default(ParallelConfig, "node_rank"), "this machine's node (0 = the head)", int)
+    master_addr: str = _option(_config_default(ParallelConfig, "master_addr"), "the head node's address, reachable "
+                               "from every node", str)
+    master_port: int | None = _option(
+        None, "the head's port for the other nodes (default: a free one on one node, "
+        f"{DEFAULT_MASTER_PORT} across nodes); the rendezvous also takes the next one", int)
+    distributed_timeout: float = _option(
+        _config_default(ParallelConfig, "distributed_timeout_s"), "seconds the head waits for the other nodes to "
+        "join (and a node for the head)", float)
+    distributed_backend: str = _option(
+        _config_default(ParallelConfig, "backend"), "the collectives' backend (auto = gloo on CPU, NCCL on CUDA)",
+        str, BACKENDS)
     torch_compile: bool = _option(
         _config_default(EngineConfig, "torch_compile"), "run decode steps through torch.compile'd decoder layers: "
         "faster on CPU; compiles at start-up (tens of seconds, cached on disk)")
@@ -117,7 +133,11 @@ class EngineArgs:
             arch=arch,
             dtype=resolve_dtype(self.dtype, device_kind),
             seed=self.seed,
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_backend, nnodes=self.nnodes,
+                node_rank=self.node_rank, master_addr=self.master_addr, master_port=self.master_port,
+                distributed_timeout_s=self.distributed_timeout,
+            ),
             cache=CacheConfig(block_size=self.block_size, num_gpu_blocks=self.num_kv_blocks,
                               kv_cache_memory_gb=self.kv_cache_memory_gb),
             scheduler=SchedulerConfig(

@@ -27,7 +27,7 @@ from tpspec.worker.step import StepOutput
 logger = logging.getLogger(__name__)
 
 
-def _device_kind(device: str) -> str:
+def resolve_device(device: str) -> str:
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
     if device == "auto":
@@ -100,7 +100,7 @@ class LLMEngine:
         """An engine from ``EngineArgs`` keywords (``LLM``'s); an unknown keyword is a ``TypeError``
         naming it, a bad value a ``ValueError``."""
         args = EngineArgs(**engine_args)
-        device_kind = _device_kind(args.device)
+        device_kind = resolve_device(args.device)
         config = args.create_engine_config(device_kind)
         from tpspec.models.registry import get_model_class
 

@@ -18,6 +18,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="turn CORS on for these origins ('*' = any); default: CORS off")
+    p.add_argument("--headless", action="store_true",
+                   help="run node --node-rank (>= 1) of a multi-node engine: its share of the TP ranks, no API server; "
+                        "exits when the head does")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM compatibility; no effect")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="accepted for vLLM compatibility; size the KV cache with --kv-cache-memory-gb / --num-kv-blocks")

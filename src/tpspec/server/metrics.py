@@ -80,11 +80,18 @@ class _EngineStatsCollector:
         comm = s.get("comm", {})
         calls = CounterMetricFamily("tpspec:comm_calls", "Collective calls on the driver rank, by call site.", labels=["model_name", "site"])
         nbytes = CounterMetricFamily("tpspec:comm_bytes", "Bytes sent through collectives on the driver rank, by call site.", labels=["model_name", "site"])
+        cross = CounterMetricFamily(
+            "tpspec:comm_cross_node_bytes",
+            "Of tpspec:comm_bytes, the bytes of collectives that crossed nodes (a multi-node engine), by call site.",
+            labels=["model_name", "site"],
+        )
         for site, c in comm.items():
             calls.add_metric([m, site], float(c.get("calls", 0)))
             nbytes.add_metric([m, site], float(c.get("bytes", 0)))
+            cross.add_metric([m, site], float(c.get("cross_node_bytes", 0)))
         yield calls
         yield nbytes
+        yield cross
         per_row = GaugeMetricFamily(
             "tpspec:comm_bytes_per_sampled_row",
             "Collective bytes per sampled row on the driver rank, by sampling site (draft.sample, verify.sample, sample).",
