@@ -56,6 +56,8 @@ def _shutdown_all() -> None:
         executor.shutdown()
 
 
+# How long a failed collective waits for a watchdog to say which rank or node is gone.
+DEATH_REPORT_WAIT_S = 1.0
 # Of worker_timeout_s: the longest the driver stays silent before a keep-alive message.
 KEEPALIVE_FRACTION = 0.25
 
@@ -75,6 +77,7 @@ class Executor:
         self._stopping = threading.Event()  # set by shutdown: the keep-alive thread ends
         self._death_listeners: list[Callable[[str], None]] = []
         self._death_lock = threading.Lock()  # a listener is told exactly once, however the race goes
+        self._death_reported = threading.Event()  # a watchdog declared a rank or node dead
         self._closed = False
         self._started = False  # every rank has joined and loaded the model
         self._step_lock = threading.Lock()  # held while the ranks run a step (shutdown may come from another thread)
@@ -137,6 +140,7 @@ class Executor:
         if self._closed or self.dead:
             return
         self.dead = reason
+        self._death_reported.set()
         logger.error(self.dead)
         shm = get_state().shm
         if shm is not None:  # a shared-memory collective waiting for it gives up now
@@ -181,6 +185,12 @@ class Executor:
         except Exception:  # noqa: BLE001 - one listener's failure must not silence the others
             logger.exception("worker-death listener failed")
 
+    def _reported_death(self) -> str | None:
+        """After a failed collective: the watchdogs' reason (it names the rank or node that went
+        away) if one reports within ``DEATH_REPORT_WAIT_S``, else None."""
+        self._death_reported.wait(DEATH_REPORT_WAIT_S)
+        return self.dead
+
     def _rpc(self, kind: str, arg) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
@@ -188,7 +198,7 @@ class Executor:
         try:
             comm.broadcast_object((kind, arg), "rpc")
         except RuntimeError as e:
-            self.dead = self.dead or f"TP collective failed: {e}"
+            self.dead = self._reported_death() or f"TP collective failed: {e}"
             raise EngineDeadError(self.dead) from e
         except BaseException as e:  # e.g. Ctrl-C halfway through the broadcast
             self.dead = self.dead or f"TP broadcast interrupted: {type(e).__name__}"
@@ -210,7 +220,8 @@ class Executor:
                 if self.tp == 1:
                     raise
                 # The ranks are out of step now (or a peer is gone): nothing more can run.
-                self.dead = self.dead or f"TP {kind} failed: {type(e).__name__}: {e}"
+                reported = self._reported_death() if isinstance(e, Exception) else self.dead
+                self.dead = reported or f"TP {kind} failed: {type(e).__name__}: {e}"
                 if isinstance(e, Exception):
                     raise EngineDeadError(self.dead) from e
                 raise  # KeyboardInterrupt, SystemExit: passed on; the engine is dead all the same
@@ -237,4 +248,10 @@ class Executor:
             self.local.stop(graceful)
         if self.nodes is not None:  # after the local workers: the other nodes had the message too
             self.nodes.close(shutdown=graceful)
-        destroy_distributed()
+        # A step stuck in a collective with a node that vanished (no closed connection to fail it)
+        # holds the step lock until worker_timeout_s: leave its group to the process's exit.
+        if self._step_lock.acquire(timeout=1):
+            try:
+                destroy_distributed()
+            finally:
+                self._step_lock.release()

@@ -32,7 +32,7 @@ from tpspec.distributed.fingerprint import mismatches
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_TIMEOUT_S = 10.0
+HEARTBEAT_TIMEOUT_S = 5.0
 _MAX_MESSAGE_BYTES = 1 << 20
 _RETRY_S = 0.2  # between a node's connection attempts while the head is not up yet
 
@@ -256,7 +256,7 @@ class HeadLinks:
                 if msg["type"] == "dead":
                     on_lost(f"{link.peer}: {msg.get('reason')}")
 
-            link.watch(on_message, lambda reason, link=link: on_lost(f"{link.peer} is gone ({reason})"))
+            link.watch(on_message, on_lost)  # the reason names the node
 
     def close(self, shutdown: bool) -> None:
         """Close every link; ``shutdown``: tell the nodes first that this is a clean stop."""
@@ -297,7 +297,7 @@ def join_head(parallel: ParallelConfig, fingerprint: dict[str, str]) -> tuple[Li
         raise NodeStartError(f"node {parallel.node_rank}: no answer from {peer}: {e}") from e
     if msg["type"] == "refuse":
         link.close()
-        raise ValueError(str(msg.get("error")))
+        raise ValueError(f"{peer} refused node {parallel.node_rank}: {msg.get('error')}")
     if msg["type"] != "accept" or not isinstance(msg.get("init_method"), str):
         link.close()
         raise NodeStartError(f"{peer} answered {msg['type']!r} instead of accepting node {parallel.node_rank}")

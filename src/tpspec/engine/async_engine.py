@@ -10,7 +10,9 @@ thread blocks on the queue (no spinning).
 If a step fails (``EngineDeadError`` from a dead TP worker, or anything else: the engine's state
 can no longer be trusted), every in-flight request gets the error, new requests are refused with
 it and ``is_healthy`` turns False. A TP worker that dies while the engine is idle wakes the
-thread (``LLMEngine.on_worker_death``) and ends the engine the same way, with no request needed.
+thread (``LLMEngine.on_worker_death``) and ends the engine the same way, with no request needed;
+the requests in flight get the error at once, from the watchdog, even when the engine thread is
+itself stuck in a collective with a node that vanished without closing its connections.
 
 The queue is bounded: with ``max_waiting_requests`` set, a request that would make more than
 ``max_num_seqs + max_waiting_requests`` requests in flight (running or waiting) is refused with
@@ -41,6 +43,8 @@ class EngineOverloadedError(RuntimeError):
     """The engine holds as many requests as it may queue; retry later."""
 
 
+# How long shutdown waits for a dead engine's thread.
+DEAD_ENGINE_JOIN_S = 2.0
 # How long the loop waits for new work after a step that scheduled nothing (e.g. every waiting
 # request is blocked on KV blocks held by nobody that is running yet): a short nap, not a spin.
 _IDLE_NAP_S = 0.005
@@ -145,6 +149,7 @@ class AsyncEngine:
         self._dead_error: BaseException | None = None
         self._closed = False
         self._ready = threading.Event()
+        self._ended = threading.Event()  # the engine is dead or its thread has stopped
         self._start_error: BaseException | None = None
         self._last_stats: dict[str, Any] = {}
         self._ids = itertools.count()
@@ -171,7 +176,11 @@ class AsyncEngine:
             self.max_requests = self.engine.config.scheduler.max_num_seqs + self._max_waiting
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop (in-flight requests get an error) and shut the engine down. Idempotent."""
+        """Stop the loop (in-flight requests get an error) and shut the engine down. Idempotent. A
+        dead engine's thread gets at most ``DEAD_ENGINE_JOIN_S``: one stuck in a collective with a
+        lost node ends with the process."""
+        if self._dead_error is not None:
+            timeout = min(timeout, DEAD_ENGINE_JOIN_S)
         with self._lock:
             if self._closed:
                 return
@@ -182,12 +191,17 @@ class AsyncEngine:
         if alive and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("the engine thread did not stop within %.0f s", timeout)
+                logger.warning("the engine thread did not stop within %.0f s%s", timeout,
+                               " (a step waiting on a lost node?); it ends with the process" if self._dead_error else "")
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the engine thread has stopped (engine dead or shut down, workers gone)."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def wait_ended(self, timeout: float | None = None) -> bool:
+        """Wait until the engine is dead or its thread has stopped (``join`` waits for the thread alone)."""
+        return self._ended.wait(timeout)
 
     @property
     def num_requests(self) -> int:
@@ -328,11 +342,12 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
             self._start_error = e
             self._ready.set()
+            self._ended.set()
             return
         self._ready.set()
         engine = self.engine
         try:
-            engine.on_worker_death(lambda reason: self._commands.put(("worker-died", reason)))
+            engine.on_worker_death(self._on_worker_death)
             self._loop(engine)
         except BaseException as e:  # noqa: BLE001 - any step failure leaves the engine unusable
             if isinstance(e, EngineDeadError):
@@ -351,6 +366,13 @@ class AsyncEngine:
                 logger.info("engine shut down")
             except Exception:  # noqa: BLE001
                 logger.exception("engine shutdown failed")
+            self._ended.set()
+
+    def _on_worker_death(self, reason: str) -> None:
+        """From the executor's watchdog: answer the requests in flight now, then wake the engine
+        thread (if it is idle: a busy one sees the failed step itself)."""
+        self._fail_everything(EngineDeadError(reason))
+        self._commands.put(("worker-died", reason))
 
     def _loop(self, engine: LLMEngine) -> None:
         idle_nap = False
@@ -435,6 +457,7 @@ class AsyncEngine:
         with self._lock:
             if mark_dead and self._dead_error is None:
                 self._dead_error = error
+                self._ended.set()
             streams, self._streams = self._streams, {}
             pending = []
             while True:

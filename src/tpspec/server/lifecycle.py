@@ -64,7 +64,7 @@ class GracefulServer(uvicorn.Server):
         await super().serve(sockets)
 
     def _watch_engine(self) -> None:
-        self.engine.join()
+        self.engine.wait_ended()
         if self.engine.dead_error is not None and not self.should_exit:
             logger.error("the engine died (%s): stopping the server", self.engine.dead_error)
             self.should_exit = True  # uvicorn's main loop polls it
