@@ -189,6 +189,7 @@ def test_a_node_that_differs_is_refused_on_both_sides(tiny_llama, tiny_qwen3, ti
                         dict(speculative_config=spec), "speculative.num_speculative_tokens"),
     }[case]
     port = _free_port_pair()
+    before = set(_tree(os.getpid()))
     node = Node(node_model, 2, port, tmp_path / "node.log", *node_flags)
     try:
         t0 = time.monotonic()
@@ -201,7 +202,8 @@ def test_a_node_that_differs_is_refused_on_both_sides(tiny_llama, tiny_qwen3, ti
         assert f"{field}:" in node.log and "refused" in node.log, node.log[-3000:]
     finally:
         node.kill_tree()
-    _assert_gone(_tree(os.getpid())[1:], timeout=5)  # no worker was started on either side
+    assert set(_tree(os.getpid())) - {node.proc.pid} <= before  # no worker was started here
+    _assert_gone(_tree(node.proc.pid), timeout=5)
 
 
 def test_a_missing_node_or_head_ends_the_start_with_its_name(tiny_llama, tmp_path):
@@ -214,6 +216,28 @@ def test_a_missing_node_or_head_ends_the_start_with_its_name(tiny_llama, tmp_pat
     try:
         assert node.wait(30) == 1
         assert f"could not reach the head at 127.0.0.1:{port} within --distributed-timeout 2 s" in node.log
+    finally:
+        node.kill_tree()
+
+
+def test_a_slow_model_load_on_the_head_keeps_its_node(tiny_llama, tmp_path, monkeypatch):
+    """The heartbeats run from the admission on: a head that takes longer than the heartbeat
+    timeout to load its shard (a big model, a GGUF conversion) must not look dead to its nodes."""
+    from tpspec.worker.model_runner import ModelRunner
+
+    load = ModelRunner.load_model
+
+    def slow_load(self):
+        time.sleep(HEARTBEAT_TIMEOUT_S + 2)
+        return load(self)
+
+    monkeypatch.setattr(ModelRunner, "load_model", slow_load)
+    port = _free_port_pair()
+    node = Node(tiny_llama, 2, port, tmp_path / "node.log")
+    try:
+        with LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, master_port=port, **ENGINE) as llm:
+            assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == _run(tiny_llama, 1, 1)["greedy"][0]
+        assert node.wait(30) == 0, node.log[-3000:]
     finally:
         node.kill_tree()
 

@@ -92,7 +92,7 @@ def test_more_ranks_than_cuda_devices(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     before = _children()
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs one CUDA device per rank; 1 visible"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs one CUDA device per rank: 2 on this node; 1 visible"):
         LLM(tiny_llama, tensor_parallel_size=2, device="cuda")
     assert _children() == before
 

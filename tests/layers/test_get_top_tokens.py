@@ -139,8 +139,8 @@ def test_get_top_tokens_equals_full_argmax(tp):
         if tp == 1:
             assert stats == {}, name
         else:
-            assert stats["test.top"] == {"calls": 1, "bytes": 8 * tp * rows}, name
-            assert stats["test.full"] == {"calls": 1, "bytes": 4 * ref["padded"] * rows}, name
+            assert stats["test.top"] == {"calls": 1, "bytes": 8 * tp * rows, "cross_node_bytes": 0}, name
+            assert stats["test.full"] == {"calls": 1, "bytes": 4 * ref["padded"] * rows, "cross_node_bytes": 0}, name
     # The cases have teeth: tie resolution and padding masking both decide outcomes.
     assert n_highest_differs >= 30
     assert n_nomask_differs == sum(1 for c in cases if c[3] == "negative" and pad_vocab(c[0], tp) > c[0])
@@ -190,5 +190,5 @@ def _model_check() -> tuple[list[int], list[int], dict]:
 def test_llama_get_top_tokens_tp2():
     for full, top, stats in run_distributed(_model_check, 2):
         assert full == top
-        assert stats["draft.sample"] == {"calls": 1, "bytes": 8 * 2 * 64}
-        assert stats["logits.all_gather"] == {"calls": 1, "bytes": 4 * 1024 * 64}
+        assert stats["draft.sample"] == {"calls": 1, "bytes": 8 * 2 * 64, "cross_node_bytes": 0}
+        assert stats["logits.all_gather"] == {"calls": 1, "bytes": 4 * 1024 * 64, "cross_node_bytes": 0}

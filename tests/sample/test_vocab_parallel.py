@@ -166,11 +166,12 @@ def test_sharded_primitives_equal_the_gathered_ones(tp):
         if tp == 1:
             assert stats == {}
         else:
-            assert stats["t.argmax"] == {"calls": 1, "bytes": 8 * tp * ROWS}
-            assert stats["t.gumbel"] == {"calls": 1, "bytes": 8 * tp * ROWS}
-            assert stats["t.lse"] == {"calls": 1, "bytes": 8 * tp * ROWS}
-            assert stats["t.token_lp"] == {"calls": 1, "bytes": (2 + 3) * 4 * tp * ROWS}
-            assert stats["t.lp"] == {"calls": 1, "bytes": (3 + 2 * min(5, pad_vocab(case[0], tp) // tp)) * 4 * tp * ROWS}
+            assert stats["t.argmax"] == {"calls": 1, "bytes": 8 * tp * ROWS, "cross_node_bytes": 0}
+            assert stats["t.gumbel"] == {"calls": 1, "bytes": 8 * tp * ROWS, "cross_node_bytes": 0}
+            assert stats["t.lse"] == {"calls": 1, "bytes": 8 * tp * ROWS, "cross_node_bytes": 0}
+            assert stats["t.token_lp"] == {"calls": 1, "bytes": (2 + 3) * 4 * tp * ROWS, "cross_node_bytes": 0}
+            lp_bytes = (3 + 2 * min(5, pad_vocab(case[0], tp) // tp)) * 4 * tp * ROWS
+            assert stats["t.lp"] == {"calls": 1, "bytes": lp_bytes, "cross_node_bytes": 0}
             # Candidates (1 all-gather), top-p's Z (1 all-reduce), and for flat rows the 4 rounds of
             # the histogram search; never the vocabulary.
             calls = stats["t.filters"]["calls"]

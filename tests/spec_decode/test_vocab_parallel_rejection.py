@@ -117,7 +117,8 @@ def test_vocab_parallel_verification_and_drafting_equal_the_gathered_path(tp):
     for rank_res in per_rank:
         draft = rank_res.pop(0)
         assert draft["same"]
-        assert draft["stats"] == ({} if tp == 1 else {"draft.sample": {"calls": 2, "bytes": 10 * (12 * tp + 8)}})
+        assert draft["stats"] == (
+            {} if tp == 1 else {"draft.sample": {"calls": 2, "bytes": 10 * (12 * tp + 8), "cross_node_bytes": 0}})
     for i, ref in enumerate(per_rank[0]):
         for rank_res in per_rank:
             res = rank_res[i]
@@ -129,12 +130,12 @@ def test_vocab_parallel_verification_and_drafting_equal_the_gathered_path(tp):
         if tp == 1:
             continue
         n = 60
-        assert ref["plain_stats"] == {"verify.sample": {"calls": 1, "bytes": 8 * tp * n}}
+        assert ref["plain_stats"] == {"verify.sample": {"calls": 1, "bytes": 8 * tp * n, "cross_node_bytes": 0}}
         assert 0 < ref["hot_rejections"] < n
         verified = ref["hot_verified"]  # drafts verified per request: up to the first rejection
         assert sum(verified) < sum(i % 5 for i in range(n))  # rows after a rejection are never read
         assert ref["hot_stats"] == {"verify.sample": {
-            "calls": 2 * max(verified) + 1, "bytes": (12 * tp + 8) * sum(verified) + 8 * tp * n}}
+            "calls": 2 * max(verified) + 1, "bytes": (12 * tp + 8) * sum(verified) + 8 * tp * n, "cross_node_bytes": 0}}
         # Drafting: filters (candidates [+ top-p's Z + histogram rounds]), then (value, id) and Z.
         assert ref["draft_stats"]["draft.sample"]["calls"] in (4, 8)
 

@@ -35,7 +35,13 @@ import torch
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.fingerprint import config_fingerprint
-from tpspec.distributed.local_workers import EngineDeadError, LocalWorkers, rank_device, threads_per_rank
+from tpspec.distributed.local_workers import (
+    EngineDeadError,
+    LocalWorkers,
+    check_cuda_devices,
+    rank_device,
+    threads_per_rank,
+)
 from tpspec.distributed.node_link import HeadLinks, rendezvous_method
 from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, get_state, init_distributed
 from tpspec.worker.model_runner import ModelRunner
@@ -81,11 +87,7 @@ class Executor:
         self._closed = False
         self._started = False  # every rank has joined and loaded the model
         self._step_lock = threading.Lock()  # held while the ranks run a step (shutdown may come from another thread)
-        if device_kind == "cuda" and torch.cuda.device_count() < parallel.ranks_per_node:
-            raise ValueError(
-                f"tensor_parallel_size={self.tp} over nnodes={parallel.nnodes} needs {parallel.ranks_per_node} "
-                f"CUDA device(s) per node; {torch.cuda.device_count()} visible"
-            )
+        check_cuda_devices(config, device_kind)
         live = [e for e in _LIVE if not e._closed]
         if live and (self.tp > 1 or any(e.tp > 1 for e in live)):
             # The TP group is process-global: a second engine would run its collectives on it.

@@ -48,6 +48,16 @@ def rank_device(kind: str, config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank % config.parallel.ranks_per_node) if kind == "cuda" else torch.device("cpu")
 
 
+def check_cuda_devices(config: EngineConfig, device_kind: str) -> None:
+    """``ValueError`` unless this node has a CUDA device for each of its ranks."""
+    n = config.parallel.ranks_per_node
+    if device_kind == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(
+            f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs one CUDA device per rank: {n} on "
+            f"this node; {torch.cuda.device_count()} visible"
+        )
+
+
 def threads_per_rank(config: EngineConfig) -> int:
     """Intra-op threads per rank: ``OMP_NUM_THREADS`` when set (e.g. 1 beside a busy HTTP thread),
     else this node's CPUs shared out among its ranks."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from tpspec.config import EngineConfig
 from tpspec.distributed.fingerprint import config_fingerprint
-from tpspec.distributed.local_workers import EngineDeadError, LocalWorkers
+from tpspec.distributed.local_workers import EngineDeadError, LocalWorkers, check_cuda_devices
 from tpspec.distributed.node_link import LinkClosed, join_head
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ def run_node(config: EngineConfig, device_kind: str) -> int:
             f"--headless runs one of the other nodes of a multi-node engine: it needs --nnodes > 1 and --node-rank "
             f">= 1, got --nnodes {parallel.nnodes} --node-rank {parallel.node_rank}"
         )
+    check_cuda_devices(config, device_kind)
     link, init_method = join_head(parallel, config_fingerprint(config, device_kind))
     ranks = parallel.node_ranks()
     events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
@@ -44,7 +45,6 @@ def run_node(config: EngineConfig, device_kind: str) -> int:
             link.send("dead", reason=str(e))
             raise
         link.send("ready")
-        link.start_heartbeat()
         workers.watch(lambda reason: events.put(("worker", reason)))
         link.watch(lambda msg: events.put(("shutdown", "")) if msg["type"] == "shutdown" else None,
                    lambda reason: events.put(("head", reason)))

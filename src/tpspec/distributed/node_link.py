@@ -9,8 +9,9 @@ Start-up (before any rank joins the TP group):
     node → head   {"type": "ready"}         its workers are about to join the TP group
 
 The head waits ``distributed_timeout_s`` for every node's hello, refuses every node if one
-differs from it (``fingerprint``) or is missing, and names it. Then both ends send a heartbeat
-(``{"type": "hb"}``) every ``HEARTBEAT_INTERVAL_S``; a node whose rank dies says so
+differs from it (``fingerprint``) or is missing, and names it. From the accept on, both ends
+send a heartbeat (``{"type": "hb"}``) every ``HEARTBEAT_INTERVAL_S``, while the ranks load the
+model too; once the engine runs, a node whose rank dies says so
 (``{"type": "dead", "reason": ...}``), and a head that shuts down cleanly says
 ``{"type": "shutdown"}``. A closed connection, or no message for ``HEARTBEAT_TIMEOUT_S`` (a
 machine that vanished without closing its sockets), is the other end's death.
@@ -184,6 +185,7 @@ class HeadLinks:
                 self._hello(Link(sock, f"a node at {addr[0]}"), wanted, deadline)
             for link in self.links.values():
                 link.send("accept", init_method=rendezvous_method(self.parallel))
+                link.start_heartbeat()  # from now on: a node must not take a long model load for a death
         except BaseException as e:
             for link in self.links.values():
                 try:
@@ -248,10 +250,8 @@ class HeadLinks:
                     raise NodeStartError(f"{link.peer}: {msg.get('reason')}")
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
-        """Heartbeats both ways; ``on_lost(reason)`` when a node dies or reports a dead rank."""
+        """``on_lost(reason)`` when a node dies, falls silent or reports a dead rank."""
         for link in self.links.values():
-            link.start_heartbeat()
-
             def on_message(msg: dict, link: Link = link) -> None:
                 if msg["type"] == "dead":
                     on_lost(f"{link.peer}: {msg.get('reason')}")
@@ -301,4 +301,5 @@ def join_head(parallel: ParallelConfig, fingerprint: dict[str, str]) -> tuple[Li
     if msg["type"] != "accept" or not isinstance(msg.get("init_method"), str):
         link.close()
         raise NodeStartError(f"{peer} answered {msg['type']!r} instead of accepting node {parallel.node_rank}")
+    link.start_heartbeat()
     return link, msg["init_method"]
