@@ -81,6 +81,7 @@ def main() -> None:
     p.add_argument("--result-file", default="multi_node.json")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the client's per-request lines
     os.environ["OMP_NUM_THREADS"] = "1"
     log_dir = os.path.dirname(os.path.abspath(args.result_file))
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
