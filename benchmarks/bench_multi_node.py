@@ -5,7 +5,8 @@ process tree; every collective over gloo on loopback), end to end through ``tpsp
 Each configuration runs in fresh processes, with ``OMP_NUM_THREADS=1`` (one thread per rank in
 both, so the only difference is the transport), loaded by the same ``tpspec bench serve``
 workload; ``--repeats`` rounds alternate which configuration goes first. Loopback gloo is a
-lower bound on a real network's cost (no wire latency).
+lower bound on a real network's cost (no wire latency). The result file keeps each run's summary
+figures, not its per-request records.
 
   python benchmarks/bench_multi_node.py --num-prompts 32 --max-concurrency 32 --max-tokens 64 --repeats 2 \\
       --result-file benchmarks/results/multi_node.json
@@ -90,7 +91,7 @@ def main() -> None:
             result = run_config(name, args, log_dir, r)
             logger.info("%s, round %d: %.1f tok/s, mean TPOT %.1f ms", name, r, result["output_throughput"],
                         result["mean_tpot_ms"])
-            runs[name].append(result)
+            runs[name].append({k: v for k, v in result.items() if not isinstance(v, (list, dict))})
     summary = {
         name: {
             "output_throughput": [x["output_throughput"] for x in rs],

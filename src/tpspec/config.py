@@ -198,9 +198,6 @@ class ParallelConfig:
         node = self.node_rank if node_rank is None else node_rank
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
-
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -29,7 +29,7 @@ from tpspec import LLM, SamplingParams
 from tpspec.distributed.node_link import HEARTBEAT_TIMEOUT_S, NodeStartError
 from tpspec.distributed.parallel_state import get_state
 
-from tests.server.utils import ServerProcess, open_stream, request
+from tests.server.utils import ServerProcess, metrics, open_stream, request
 
 ENGINE = dict(num_kv_blocks=64, max_model_len=128)
 ENGINE_FLAGS = ["--num-kv-blocks", "64", "--max-model-len", "128"]
@@ -309,6 +309,9 @@ def test_the_node_exits_when_the_head_is_killed(tiny_llama, tmp_path):
     node_pids = _tree(node.proc.pid)
     try:
         assert request("POST", head.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})[0] == 200
+        sample = metrics(head.url)
+        site = (("site", "layer.all_reduce"),)
+        assert sample[("tpspec:comm_cross_node_bytes_total", site)] == sample[("tpspec:comm_bytes_total", site)] > 0
         head.proc.kill()
         assert node.wait(15) == 1
         assert "127.0.0.1" in node.log and "stopping this node's workers" in node.log, node.log[-3000:]
