@@ -10,24 +10,7 @@ import platform
 import subprocess
 import sys
 
-ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
-
-
-def _cpu() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name":
-                    model = value.strip()
-                elif key == "flags":
-                    flags = sorted(t for t in value.split() if t.startswith(ISA_PREFIXES))
-                    break
-    except OSError:
-        pass
-    return model, flags
+from tpspec.cpu_features import cpu_model_and_isa
 
 
 def _git(*args: str) -> str | None:
@@ -41,11 +24,11 @@ def _git(*args: str) -> str | None:
 def machine_info() -> dict:
     import torch  # here: ``tpspec bench serve`` measures any server and need not load torch otherwise
 
-    model, flags = _cpu()
+    model, flags = cpu_model_and_isa()
     status = _git("status", "--porcelain")
     return {
         "cpu": model,
-        "isa": flags,
+        "isa": list(flags),
         "avx512": any(f.startswith("avx512") for f in flags),
         "cores": os.cpu_count(),
         "python": platform.python_version(),

@@ -117,12 +117,17 @@ class EngineArgs:
         """The validated ``EngineConfig`` (model and drafter resolved and read) for ``device_kind``
         ("cpu" or "cuda", from ``resolve_device``)."""
         from tpspec.config import ModelArchConfig, resolve_dtype
+        from tpspec.cpu_features import emulated_dtype_warning
         from tpspec.models.loader.resolve import resolve_model
         from tpspec.spec_decode.resolve import resolve_drafter
 
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_dict(spec)
+        dtype = resolve_dtype(self.dtype, device_kind)
+        warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None
+        if warning:
+            logger.warning("%s", warning)
         folder = resolve_model(self.model)
         arch = ModelArchConfig.from_folder(folder)
         draft_arch = None
@@ -131,7 +136,7 @@ class EngineArgs:
         config = EngineConfig(
             model=folder,
             arch=arch,
-            dtype=resolve_dtype(self.dtype, device_kind),
+            dtype=dtype,
             seed=self.seed,
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, backend=self.distributed_backend, nnodes=self.nnodes,
