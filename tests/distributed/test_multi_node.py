@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -206,12 +207,28 @@ def test_a_node_that_differs_is_refused_on_both_sides(tiny_llama, tiny_qwen3, ti
     _assert_gone(_tree(node.proc.pid), timeout=5)
 
 
+def _stray_request(port: int) -> None:
+    """Something that is not a tpspec node dials the head's port and sends a JSON line that is no hello."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b'{"type": "ping"}\n')
+                return
+        except OSError:
+            time.sleep(0.05)
+
+
 def test_a_missing_node_or_head_ends_the_start_with_its_name(tiny_llama, tmp_path):
     port = _free_port_pair()
+    stray = threading.Thread(target=_stray_request, args=(port,), daemon=True)
+    stray.start()
     t0 = time.monotonic()
+    # The stray connection is ignored: the start still ends on the missing node, by name.
     with pytest.raises(NodeStartError, match=r"node\(s\) 1 did not join within --distributed-timeout 2 s"):
         LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout=2, **ENGINE)
     assert time.monotonic() - t0 < 10
+    stray.join(5)
     node = Node(tiny_llama, 2, port, tmp_path / "node.log", "--distributed-timeout", "2")
     try:
         assert node.wait(30) == 1
@@ -242,13 +259,15 @@ def test_a_slow_model_load_on_the_head_keeps_its_node(tiny_llama, tmp_path, monk
         node.kill_tree()
 
 
-def test_tp_size_must_split_evenly_over_nodes(tiny_llama):
+def test_bad_multi_node_options_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 is not divisible by nnodes=2"):
         LLM(tiny_llama, tensor_parallel_size=3, nnodes=2, **ENGINE)
     with pytest.raises(ValueError, match=r"node_rank must be in \[0, nnodes - 1\]"):
         LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, node_rank=2, **ENGINE)
     with pytest.raises(ValueError, match="the other nodes run `tpspec serve --headless`"):
         LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, node_rank=1, **ENGINE)
+    with pytest.raises(ValueError, match="distributed_backend='nccl' needs CUDA devices"):
+        LLM(tiny_llama, tensor_parallel_size=2, distributed_backend="nccl", device="cpu", **ENGINE)
 
 
 def _serve_two_nodes(model: str, tmp_path) -> tuple[ServerProcess, Node]:

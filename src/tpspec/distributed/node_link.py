@@ -201,15 +201,15 @@ class HeadLinks:
         try:
             msg = link.recv(max(0.1, min(10.0, deadline - time.monotonic())))
         except (LinkClosed, TimeoutError) as e:
-            logger.warning("ignoring a connection that sent no hello: %s", e)
+            msg = {"type": f"nothing ({e})"}
+        if msg["type"] != "hello" or not isinstance(msg.get("fingerprint"), dict):  # not a tpspec node
+            logger.warning("ignoring a connection from %s that sent %s instead of a hello", link.peer, msg["type"])
             link.close()
             return
         node = msg.get("node_rank")
         link.peer = f"node {node} ({msg.get('host')}, pid {msg.get('pid')})"
         problem = None
-        if msg["type"] != "hello" or not isinstance(msg.get("fingerprint"), dict):
-            problem = f"{link.peer} sent {msg['type']!r} instead of a hello"
-        elif node not in wanted:
+        if node not in wanted:
             problem = (f"{link.peer}: --node-rank must be in [1, {self.parallel.nnodes - 1}] for --nnodes "
                        f"{self.parallel.nnodes}, got {node}")
         elif node in self.links:

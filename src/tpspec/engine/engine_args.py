@@ -124,6 +124,9 @@ class EngineArgs:
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_dict(spec)
+        if self.distributed_backend == "nccl" and device_kind != "cuda":
+            raise ValueError(f"distributed_backend='nccl' needs CUDA devices, got device {device_kind!r}; "
+                             "use 'gloo' or 'auto' on CPU")
         dtype = resolve_dtype(self.dtype, device_kind)
         warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None
         if warning:
