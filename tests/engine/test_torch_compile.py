@@ -1,11 +1,14 @@
 """``torch_compile=True``: decode steps through the compiled decoder layer give the eager engine's
-tokens (float32, greedy and seeded), and every graph is compiled at start-up: serving batches of
+tokens (float32, greedy and seeded) through the same packed oneDNN products (the compiled graph
+calls ``tpspec::packed_linear``), and every graph is compiled at start-up: serving batches of
 other sizes and contexts of every length compiles nothing more. TP > 1 is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch._dynamo.utils
+
+import tpspec.layers.linear
 
 from tpspec import LLM, SamplingParams
 
@@ -23,9 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=1.5, seed=20 + i, top_p=0.95, max_tokens=20, ignore_eos=True) for i in range(3)]
 
 
-def _generate(folder: str, tp: int, torch_compile: bool) -> dict:
+def _generate(folder: str, tp: int, torch_compile: bool, monkeypatch) -> dict:
+    packed_products = []
+    onednn_linear = tpspec.layers.linear._onednn_linear
+    monkeypatch.setattr(tpspec.layers.linear, "_onednn_linear", lambda *a: packed_products.append(1) or onednn_linear(*a))
     with LLM(folder, tensor_parallel_size=tp, num_kv_blocks=96, max_model_len=128, torch_compile=torch_compile) as llm:
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        packed_products.clear()  # the start-up compilation's dummy steps
         model = llm.llm_engine.executor.runner.model  # TP 1: the driver runs the model
         compiled_layer, compiled_calls = model._compiled_layer, []
         if compiled_layer is not None:  # count the layer calls that go through the compiled graphs
@@ -35,16 +42,17 @@ def _generate(folder: str, tp: int, torch_compile: bool) -> dict:
         seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], SEEDED, use_tqdm=False)]
         graphs_after = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return dict(tokens=(one_at_a_time, batched, seeded), new_graphs=graphs_after - graphs_at_start,
-                graphs_at_start=graphs_at_start, compiled_calls=len(compiled_calls), num_layers=len(model.layers))
+                graphs_at_start=graphs_at_start, compiled_calls=len(compiled_calls), num_layers=len(model.layers),
+                packed_products=len(packed_products))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
-def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, request):
+def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, request, monkeypatch):
     folder = request.getfixturevalue(fixture)
     torch._dynamo.utils.counters.clear()
-    eager = _generate(folder, 1, torch_compile=False)
+    eager = _generate(folder, 1, torch_compile=False, monkeypatch=monkeypatch)
     assert eager["graphs_at_start"] == 0 and eager["new_graphs"] == 0
-    compiled = _generate(folder, 1, torch_compile=True)
+    compiled = _generate(folder, 1, torch_compile=True, monkeypatch=monkeypatch)
     # The driver is rank 0: its compilations are counted here.
     assert compiled["graphs_at_start"] >= 1
     assert compiled["new_graphs"] == 0
@@ -52,6 +60,8 @@ def test_compiled_decode_equals_eager_and_compiles_only_at_start(fixture, reques
     assert compiled["compiled_calls"] >= 3 * 19 * compiled["num_layers"]
     assert compiled["compiled_calls"] % compiled["num_layers"] == 0 and eager["compiled_calls"] == 0
     assert compiled["tokens"] == eager["tokens"]
+    # Every product the eager engine ran through the packed weight, the compiled one did too.
+    assert compiled["packed_products"] == eager["packed_products"] > compiled["compiled_calls"]
     assert all(len(t) == 20 for group in compiled["tokens"] for t in group)
 
 

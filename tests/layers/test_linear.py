@@ -1,8 +1,9 @@
-"""``layers.linear.linear``: float16 on CPU goes through float32 past a few rows, and gives what
-the native float16 matmul gives up to its last rounding; float32 CPU layers run through their
-weight reordered for oneDNN (``OneDNNWeight.packed_weight``) up to ONEDNN_MAX_ROWS rows, padded to
-a row bucket (so oneDNN's per-shape kernels stay few), equal to ``F.linear`` up to float32
-rounding, and reorder again when their weight changes."""
+"""``layers.linear.linear``: float16 CPU layers run through their weight packed for fbgemm
+(``PackedCPUWeight.packed_weight``), float32 math on the float16 weights; without it (inside
+torch.compile) float16 goes through float32 past a few rows, and gives what the native float16
+matmul gives up to its last rounding; float32 CPU layers run through their weight reordered for
+oneDNN up to ONEDNN_MAX_ROWS rows, padded to a row bucket (so oneDNN's per-shape kernels stay
+few), equal to ``F.linear`` up to float32 rounding; both pack again when their weight changes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, ReplicatedLinear, linear
+from tpspec.layers.linear import (
+    CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, ReplicatedLinear, has_fbgemm, linear,
+)
 
 
 @pytest.mark.parametrize("rows", [1, CPU_FLOAT16_MAX_ROWS, CPU_FLOAT16_MAX_ROWS + 1, 64])
@@ -56,6 +59,33 @@ def test_float32_layers_run_through_the_reordered_weight(rows, bias, monkeypatch
     else:
         assert calls == []
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float16_layers_run_through_fbgemm_in_float32(rows, bias, monkeypatch):
+    g = torch.Generator().manual_seed(rows)
+    layer = ReplicatedLinear(96, 80, bias, torch.float16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=g) * 0.1)
+        if bias:
+            layer.bias.copy_(torch.randn(80, generator=g))
+    packed = layer.packed_weight()
+    assert packed is not None and layer.packed_weight() is packed  # packed once
+    x = torch.randn(rows, 96, generator=g).half()
+    calls = []
+    fp16 = torch.ops.quantized.linear_dynamic_fp16
+    monkeypatch.setattr(torch.ops.quantized, "linear_dynamic_fp16", lambda x, *a: calls.append(x.dtype) or fp16(x, *a))
+    with torch.inference_mode():
+        out = layer(x)
+    assert calls == [torch.float32] and out.dtype == torch.float16 and out.shape == (rows, 80)
+    # float32 math on the float16 weights, rounded once to float16 at the end
+    b = None if layer.bias is None else layer.bias.float()
+    torch.testing.assert_close(out, F.linear(x.float(), layer.weight.float(), b).half(), rtol=1e-3, atol=1e-3)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    assert layer.packed_weight() is not packed
 
 
 def test_reordered_weight_follows_the_weight(monkeypatch):

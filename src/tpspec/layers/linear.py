@@ -6,6 +6,8 @@ copy only this rank's shard, so a rank never materializes another rank's weights
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,10 +25,6 @@ def _cols(loaded, start: int, end: int) -> torch.Tensor:
     return loaded[:, start:end]
 
 
-# CPU float16 matmuls are the fastest matrix-vector products (~2.5x bfloat16 here) but fall
-# behind float32 as rows grow (2.8x slower at 100 rows, a prefill); past this many rows
-# ``linear`` computes in float32 (benchmarks/bench_linear_dtypes.py).
-CPU_FLOAT16_MAX_ROWS = 4
 # CPU float32 products of up to ONEDNN_MAX_ROWS rows (decode steps, speculative verification,
 # draft blocks, small batches) run through oneDNN's matmul on the weight reordered once into its
 # blocked layout (``torch.ops.mkldnn``, what inductor uses for frozen CPU weights): MKL's X·Aᵀ
@@ -39,6 +37,13 @@ CPU_FLOAT16_MAX_ROWS = 4
 ONEDNN_ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
 ONEDNN_MAX_ROWS = ONEDNN_ROW_BUCKETS[-1]
 ONEDNN_PACK_ROWS = 16  # the row count the reordered layout is tuned for
+# CPU float16 products run through fbgemm's float16 GEMM (``quantized.linear_dynamic_fp16``, the
+# weight packed once): float16 weights read at half float32's bytes, widened in registers, float32
+# activations and accumulation; as fast as torch's float16 matmul at one row and 5-6x faster at 16
+# and more (benchmarks/bench_quantized_linear.py). Where it is missing (non-x86 builds) or inside
+# torch.compile, torch's float16 matmul runs up to CPU_FLOAT16_MAX_ROWS rows and float32 past them
+# (its float16 kernel falls 2.8x behind float32 at 100 rows).
+CPU_FLOAT16_MAX_ROWS = 4
 
 
 def _row_bucket(rows: int) -> int:
@@ -53,52 +58,119 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return out[:rows] if pad else out
 
 
-class OneDNNWeight:
-    """A layer whose CPU float32 ``weight`` runs through oneDNN, reordered once (``packed_weight``)."""
+def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)  # float32 out
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
+def has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and (
+        w.dtype == torch.float32 and torch.backends.mkldnn.is_available() or w.dtype == torch.float16 and has_fbgemm()
+    )
+
+
+def _pack(w: torch.Tensor):
+    if w.dtype == torch.float16:
+        return torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
+    with torch.inference_mode():
+        for rows in ONEDNN_ROW_BUCKETS:  # build every bucket's kernel now
+            torch.ops.mkldnn._linear_pointwise(w.new_zeros(rows, w.shape[1]), packed, None, "none", [], "")
+    return packed
+
+
+# weight.data_ptr() -> (the weight, its _version when packed, the packed weight). Keyed by address,
+# not by module, so that the custom op below, which gets only tensors, finds it too; an entry is
+# used only while its weight lives with the same storage, shape, dtype and version.
+_PACKED: dict[int, tuple[weakref.ref, int, object]] = {}
+
+
+def packed_weight_of(w: torch.Tensor):
+    """``w`` packed for its CPU kernel (oneDNN for float32, fbgemm for float16): packed on first
+    use, again when the weight changes; None where the plain kernel applies (not a CPU
+    float32/float16 weight, or the library missing)."""
+    if not _packable(w):
+        return None
+    entry = _PACKED.get(w.data_ptr())
+    if entry is not None:
+        ref, version, packed = entry
+        t = ref()
+        if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype \
+                and t._version == version:
+            return packed
+    packed = _pack(w)
+    key = w.data_ptr()
+    _PACKED[key] = (weakref.ref(w, lambda ref, key=key: _forget(key, ref)), w._version, packed)
+    return packed
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A packed weight's tensor died: drop its entry, unless a newer weight took its address."""
+    if _PACKED.get(key, (None,))[0] is ref:
+        del _PACKED[key]
+
+
+@torch.library.custom_op("tpspec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` through ``weight``'s packed kernel, as one opaque op: what a ``torch.compile``d
+    graph calls, so it fuses the elementwise work around the products and keeps the packed kernels.
+    x: [num_rows, in_features] -> [num_rows, out_features]."""
+    return linear(x, weight, bias, packed_weight_of(weight))
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+class PackedCPUWeight:
+    """A layer whose CPU ``weight`` runs through its packed kernel (``packed_weight_of``)."""
 
     weight: nn.Parameter
 
-    def packed_weight(self) -> torch.Tensor | None:
-        """The weight reordered for oneDNN (cached, redone if the weight changes), or None where the
-        plain kernel applies: not a CPU float32 weight, oneDNN missing, or inside ``torch.compile``
-        (which fuses its own)."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-            return None
+    def packed_weight(self):
+        return packed_weight_of(self.weight)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x·Wᵀ (+ bias) through the packed kernel, inside a ``torch.compile``d graph too.
+        x: [num_rows, in_features] -> [num_rows, out_features]."""
         if torch.compiler.is_compiling():
-            return None
-        cached = getattr(self, "_onednn_weight", None)
-        if cached is None or cached[0] is not w or cached[1] != w._version:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
-            with torch.inference_mode():
-                for rows in ONEDNN_ROW_BUCKETS:  # build every bucket's kernel now
-                    torch.ops.mkldnn._linear_pointwise(w.new_zeros(rows, w.shape[1]), packed, None, "none", [], "")
-            cached = self._onednn_weight = (w, w._version, packed)
-        return cached[2]
+            if _packable(self.weight):
+                return torch.ops.tpspec.packed_linear(x, self.weight, bias)
+            return linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self.packed_weight())
 
 
 def pack_cpu_weights(model: nn.Module) -> None:
-    """Reorder every oneDNN layer's weight now (at load), not in the first request's forward."""
+    """Pack every such layer's weight now (at load), not in the first request's forward."""
     for module in model.modules():
-        if isinstance(module, OneDNNWeight):
+        if isinstance(module, PackedCPUWeight):
             module.packed_weight()
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear``, through oneDNN on ``packed`` (``weight`` reordered) for at most
-    ``ONEDNN_MAX_ROWS`` rows; float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows goes
-    through float32 (exact upcasts, float32 accumulation either way) and is rounded back to float16.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed=None) -> torch.Tensor:
+    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: oneDNN for
+    float32 up to ``ONEDNN_MAX_ROWS`` rows, fbgemm for float16. Without it, float16 on CPU with
+    more than ``CPU_FLOAT16_MAX_ROWS`` rows goes through float32 (exact upcasts, float32
+    accumulation either way) and is rounded back to float16.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
-    if packed is not None and x.shape[0] <= ONEDNN_MAX_ROWS:
-        return _onednn_linear(x, packed, bias)
+    if packed is not None:
+        if weight.dtype == torch.float16:
+            return _fbgemm_float16_linear(x, packed, bias)
+        if x.shape[0] <= ONEDNN_MAX_ROWS:
+            return _onednn_linear(x, packed, bias)
     if weight.dtype == torch.float16 and weight.device.type == "cpu" and x.shape[0] > CPU_FLOAT16_MAX_ROWS:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
     return F.linear(x, weight, bias)
 
 
-class LinearBase(OneDNNWeight, nn.Module):
+class LinearBase(PackedCPUWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.in_features = in_features
@@ -107,7 +179,7 @@ class LinearBase(OneDNNWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
-        return linear(x, self.weight, self.bias, self.packed_weight())
+        return self.linear(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -197,5 +269,5 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(_cols(loaded, *self.in_range))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, local in_features]
-        y = linear(x, self.weight, self.bias, self.packed_weight())
+        y = self.linear(x, self.bias)
         return comm.all_reduce(y, "layer.all_reduce") if self.reduce_results else y

@@ -13,7 +13,7 @@ from torch import nn
 
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
-from tpspec.layers.linear import OneDNNWeight, linear
+from tpspec.layers.linear import PackedCPUWeight
 from tpspec.layers.partition import pad_vocab
 
 
@@ -45,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         return comm.all_reduce(local, "embed.all_reduce")  # [num_tokens, embedding_dim]
 
 
-class ParallelLMHead(OneDNNWeight, VocabParallelEmbedding):
+class ParallelLMHead(PackedCPUWeight, VocabParallelEmbedding):
     """Logits = H·Wᵀ, W split along the vocab dim (each rank computes its shard of the logits)."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -53,4 +53,4 @@ class ParallelLMHead(OneDNNWeight, VocabParallelEmbedding):
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> this shard's raw logits [num_rows, shard_size]."""
-        return linear(hidden, self.weight, packed=self.packed_weight())
+        return self.linear(hidden)
