@@ -6,7 +6,7 @@ of qkv 960×576, o 576×576, gate+up 3072×576, down 576×1536; random weights) 
 and dtype: the best of ``--repeats`` passes after one warm-up pass, on ``--threads`` threads.
 
   python3 benchmarks/bench_linear_dtypes.py
-  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python3 benchmarks/bench_linear_dtypes.py
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 python3 benchmarks/bench_linear_dtypes.py
 
 The first line printed names the CPU, its ISA flags and any of those caps in effect.
 """
@@ -14,18 +14,15 @@ The first line printed names the CPU, its ISA flags and any of those caps in eff
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
-from tpspec.cpu_features import cpu_model_and_isa
+from tpspec.cpu_features import cpu_model_and_isa, isa_caps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHAPES = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]  # (out, in) per layer
 LAYERS = 30
-# Environment variables that cap the ISA torch's kernels use (ATen, oneDNN, MKL): an AVX2 run on an AVX-512 CPU.
-ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def time_pass(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
@@ -52,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     weights = {name: [torch.randn(o, i).to(dt) for _ in range(LAYERS) for o, i in SHAPES] for name, dt in DTYPES.items()}
     nbytes = {name: sum(w.numel() * w.element_size() for w in ws) for name, ws in weights.items()}
     model, flags = cpu_model_and_isa()
-    caps = {k: os.environ[k] for k in ISA_CAP_VARS if k in os.environ}
+    caps = isa_caps()
     print(f"{model}; ISA {' '.join(flags)}; caps {caps or 'none'}; torch {torch.__version__}")
     print(f"{args.threads} thread(s); ms per pass over {LAYERS} layers (weights GB/s)")
     print("| rows | " + " | ".join(DTYPES) + " |")

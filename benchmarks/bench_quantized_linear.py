@@ -12,7 +12,7 @@ blocks), ``int8-dynamic`` (fbgemm's ``quantized.linear_dynamic``: the activation
 8 bits too, per call).
 
   python3 benchmarks/bench_quantized_linear.py --result-file benchmarks/results/quantized_linear.json
-  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python3 benchmarks/bench_quantized_linear.py
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 python3 benchmarks/bench_quantized_linear.py
 
 The first line printed names the CPU, its ISA flags and any ISA caps in effect.
 """
@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from tpspec.cpu_features import cpu_model_and_isa
+from tpspec.cpu_features import cpu_model_and_isa, isa_caps
 
 SHAPES = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]  # (out, in) per layer
 LAYERS = 30
 LM_HEAD = (49152, 576)
 GROUP = 32
-# Environment variables that cap the ISA torch's kernels use (ATen, oneDNN, MKL): an AVX2 run on an AVX-512 CPU.
-ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     weights = [torch.randn(o, i) / i**0.5 for _ in range(LAYERS) for o, i in SHAPES] + [torch.randn(*LM_HEAD)]
     model, flags = cpu_model_and_isa()
-    caps = {k: os.environ[k] for k in ISA_CAP_VARS if k in os.environ}
+    caps = isa_caps()
     print(f"{model}; ISA {' '.join(flags)}; caps {caps or 'none'}; torch {torch.__version__}; {args.threads} thread(s)")
     print(f"ms per pass over {LAYERS} layers + the LM head")
     print("| rows | " + " | ".join(args.kernels) + " |")

@@ -14,6 +14,9 @@ from typing import Any
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_DTYPES = ("auto", *MODEL_DTYPES)  # "auto": resolve_dtype picks one for the device
 SAMPLING_MODES = ("gathered", "vocab-parallel")
+# Weight formats of ``--quantization`` (None: the weights in ``dtype``). "fp16": a float32 model's
+# linear weights stored in float16 and multiplied in float32 by fbgemm (CPU; layers.linear).
+QUANTIZATION_METHODS = ("fp16",)
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -389,6 +392,7 @@ class EngineConfig:
     # Decode steps run the target's decoder layers through torch.compile (models.llama): fused
     # elementwise kernels instead of ~40 dispatched ops per layer. Compiled at start-up; TP 1 only.
     torch_compile: bool = False
+    quantization: str | None = None  # one of QUANTIZATION_METHODS
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -408,6 +412,11 @@ class EngineConfig:
             raise ValueError(f"torch_compile must be True or False, got {self.torch_compile!r}")
         if self.sampling_mode not in SAMPLING_MODES:
             raise ValueError(f"sampling_mode must be one of {SAMPLING_MODES}, got {self.sampling_mode!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
+        if self.quantization == "fp16" and self.dtype != "float32":
+            raise ValueError(f"quantization='fp16' stores a float32 model's weights in float16 (activations stay "
+                             f"float32), got dtype={self.dtype!r}; use dtype='float32', or dtype='float16' alone")
         if self.sampling_mode == "vocab-parallel" and self.arch.vocab_size >= 2**24:
             raise ValueError(
                 f"sampling_mode='vocab-parallel' needs vocab_size < 2**24 (token ids are exchanged as "

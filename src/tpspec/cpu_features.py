@@ -8,9 +8,13 @@ another only AVX2, where torch emulates bfloat16 matrix products: as fast as flo
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
+# Environment variables that cap the ISA torch's kernel libraries use (ATen, oneDNN, MKL, fbgemm):
+# set to AVX2 on an AVX-512 CPU, they give an AVX2 run of the same code.
+ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
 # Either gives bfloat16 matrix products native kernels (oneDNN); without them they are emulated.
 BFLOAT16_ISA = ("avx512_bf16", "amx_bf16")
 
@@ -44,3 +48,16 @@ def emulated_dtype_warning(dtype: str, flags: tuple[str, ...] | None = None) -> 
             "float32 is faster here for serving, float16 or bfloat16 only for one sequence at a time"
         )
     return None
+
+
+def isa_caps() -> dict[str, str]:
+    """The ISA caps (``ISA_CAP_VARS``) set in this process's environment."""
+    return {k: os.environ[k] for k in ISA_CAP_VARS if k in os.environ}
+
+
+def has_fbgemm() -> bool:
+    """Whether this torch build has fbgemm (x86 builds), whose float16 GEMM ``layers.linear`` uses."""
+    import torch
+
+    return "fbgemm" in torch.backends.quantized.supported_engines
+

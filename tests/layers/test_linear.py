@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpspec.layers.linear import (
-    CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, ReplicatedLinear, has_fbgemm, linear,
-)
+from tpspec.cpu_features import has_fbgemm
+from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, ReplicatedLinear, linear
 
 
 @pytest.mark.parametrize("rows", [1, CPU_FLOAT16_MAX_ROWS, CPU_FLOAT16_MAX_ROWS + 1, 64])

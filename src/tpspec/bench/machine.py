@@ -1,4 +1,4 @@
-"""What a benchmark result was measured on and with: CPU model and ISA flags, cores, Python, torch
+"""What a benchmark result was measured on and with: CPU model and ISA flags (and any caps on them), cores, Python, torch
 and its threads, the commit (and whether the tree was dirty; None outside a git checkout), the
 command line. Every result file of ``benchmarks/`` and ``tpspec bench`` records it: figures from
 two CPUs are never one ratio."""
@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 
-from tpspec.cpu_features import cpu_model_and_isa
+from tpspec.cpu_features import cpu_model_and_isa, isa_caps
 
 
 def _git(*args: str) -> str | None:
@@ -30,6 +30,7 @@ def machine_info() -> dict:
         "cpu": model,
         "isa": list(flags),
         "avx512": any(f.startswith("avx512") for f in flags),
+        "isa_caps": isa_caps(),  # e.g. an AVX2 run on an AVX-512 CPU
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,

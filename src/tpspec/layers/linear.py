@@ -7,11 +7,13 @@ copy only this rank's shard, so a rank never materializes another rank's weights
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpspec.cpu_features import has_fbgemm
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
 from tpspec.layers.partition import head_partition, split_range
@@ -65,8 +67,15 @@ def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -
     return out.to(x.dtype)
 
 
-def has_fbgemm() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
+# The packed layouts: "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16
+# model's own, or a float32 model's with quantization="fp16").
+PACKED_FORMATS = ("onednn", "fp16")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    format: str  # one of PACKED_FORMATS
+    data: object  # the library's packed weight
 
 
 def _packable(w: torch.Tensor) -> bool:
@@ -75,36 +84,38 @@ def _packable(w: torch.Tensor) -> bool:
     )
 
 
-def _pack(w: torch.Tensor):
-    if w.dtype == torch.float16:
-        return torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None)
+def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
+    if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
+        return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None))
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
     with torch.inference_mode():
         for rows in ONEDNN_ROW_BUCKETS:  # build every bucket's kernel now
             torch.ops.mkldnn._linear_pointwise(w.new_zeros(rows, w.shape[1]), packed, None, "none", [], "")
-    return packed
+    return PackedWeight(fmt, packed)
 
 
 # weight.data_ptr() -> (the weight, its _version when packed, the packed weight). Keyed by address,
 # not by module, so that the custom op below, which gets only tensors, finds it too; an entry is
 # used only while its weight lives with the same storage, shape, dtype and version.
-_PACKED: dict[int, tuple[weakref.ref, int, object]] = {}
+_PACKED: dict[int, tuple[weakref.ref, int, PackedWeight]] = {}
 
 
-def packed_weight_of(w: torch.Tensor):
-    """``w`` packed for its CPU kernel (oneDNN for float32, fbgemm for float16): packed on first
-    use, again when the weight changes; None where the plain kernel applies (not a CPU
-    float32/float16 weight, or the library missing)."""
+def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | None:
+    """``w`` packed for its CPU kernel: in ``fmt`` if given (``pack_cpu_weights``), else in the
+    format it was packed in last, else its dtype's (float32: oneDNN, float16: fbgemm). Packed on
+    first use, again (same format) when the weight changes; None where the plain kernel applies
+    (not a CPU float32/float16 weight, or the library missing)."""
     if not _packable(w):
         return None
     entry = _PACKED.get(w.data_ptr())
     if entry is not None:
         ref, version, packed = entry
         t = ref()
-        if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype \
-                and t._version == version:
-            return packed
-    packed = _pack(w)
+        if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype:
+            if t._version == version and fmt in (None, packed.format):
+                return packed
+            fmt = fmt or packed.format
+    packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
     key = w.data_ptr()
     _PACKED[key] = (weakref.ref(w, lambda ref, key=key: _forget(key, ref)), w._version, packed)
     return packed
@@ -134,7 +145,7 @@ class PackedCPUWeight:
 
     weight: nn.Parameter
 
-    def packed_weight(self):
+    def packed_weight(self) -> PackedWeight | None:
         return packed_weight_of(self.weight)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,24 +158,27 @@ class PackedCPUWeight:
         return linear(x, self.weight, bias, self.packed_weight())
 
 
-def pack_cpu_weights(model: nn.Module) -> None:
-    """Pack every such layer's weight now (at load), not in the first request's forward."""
+def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
+    """Pack every such layer's weight now (at load), not in the first request's forward; with
+    ``quantization="fp16"`` float32 weights in fbgemm's float16 layout."""
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):
-            module.packed_weight()
+            w = module.weight
+            packed_weight_of(w, "fp16" if quantization == "fp16" and _packable(w) and has_fbgemm() else None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed=None) -> torch.Tensor:
-    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: oneDNN for
-    float32 up to ``ONEDNN_MAX_ROWS`` rows, fbgemm for float16. Without it, float16 on CPU with
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: fbgemm for
+    float16 weights, oneDNN for float32 up to ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with
     more than ``CPU_FLOAT16_MAX_ROWS`` rows goes through float32 (exact upcasts, float32
     accumulation either way) and is rounded back to float16.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
     if packed is not None:
-        if weight.dtype == torch.float16:
-            return _fbgemm_float16_linear(x, packed, bias)
+        if packed.format == "fp16":
+            return _fbgemm_float16_linear(x, packed.data, bias)
         if x.shape[0] <= ONEDNN_MAX_ROWS:
-            return _onednn_linear(x, packed, bias)
+            return _onednn_linear(x, packed.data, bias)
     if weight.dtype == torch.float16 and weight.device.type == "cpu" and x.shape[0] > CPU_FLOAT16_MAX_ROWS:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
     return F.linear(x, weight, bias)

@@ -92,7 +92,7 @@ class ModelRunner:
         if missing:
             raise ValueError(f"checkpoint {self.config.model!r} lacks weights: {sorted(missing)[:5]}")
         self.model.eval()
-        pack_cpu_weights(self.model)
+        pack_cpu_weights(self.model, self.config.quantization)
         self.num_blocks = num_kv_blocks(self.config, self.device)
         self.kv_caches = allocate_kv_cache(
             self.config.arch.num_hidden_layers, self.num_blocks * self.block_size, self.model.kv_cache_shape,
@@ -186,7 +186,7 @@ class ModelRunner:
         if spec is not None and spec.method in SPECULATORS:
             self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
             self.speculator.load_model(self.model, self.num_blocks * self.block_size)
-            pack_cpu_weights(self.speculator.model)
+            pack_cpu_weights(self.speculator.model, self.config.quantization)
         elif spec is not None:  # ngram
             self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 

@@ -1,0 +1,83 @@
+"""How far a cheaper setting's greedy output strays from float32's: dtype and kernel accuracy.
+
+Generates ``--max-tokens`` greedy tokens for ``--num-prompts`` held-out HumanEval prompts with the
+default model in float32 (the reference) and in each ``--dtype`` (each in a fresh process), and
+reports per setting: the sequences identical to float32's, the mean number of tokens before the
+first difference, and on the tokens both agree on, the largest and mean absolute difference of
+the chosen token's log-probability against float32's (a logit error in nats).
+
+  python3 benchmarks/dtype_agreement.py --dtype float16 bfloat16 --result-file benchmarks/results/dtype_agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+
+from tpspec.bench.datasets import humaneval_prompts
+from tpspec.bench.machine import machine_info
+
+
+def _generate(dtype: str, torch_compile: bool, prompts: list[str], max_tokens: int, queue) -> None:
+    from tpspec import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    with LLM(dtype=dtype, torch_compile=torch_compile) as llm:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    queue.put([(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outs])
+
+
+def run(dtype: str, torch_compile: bool, prompts: list[str], max_tokens: int):
+    """Tokens and chosen-token logprobs of every prompt, from a fresh process."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_generate, args=(dtype, torch_compile, prompts, max_tokens, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def compare(ref, other) -> dict:
+    identical, prefix, diffs = 0, [], []
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, other):
+        first = next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), len(ref_ids))
+        identical += first == len(ref_ids)
+        prefix.append(first)
+        diffs += [abs(a - b) for a, b in zip(ref_lp[:first], lp[:first])]
+    return {
+        "identical": identical,
+        "sequences": len(ref),
+        "mean_tokens_before_first_difference": sum(prefix) / len(prefix),
+        "max_abs_logprob_diff": max(diffs, default=0.0),
+        "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", nargs="+", default=["float16"], help="settings compared with float32")
+    p.add_argument("--torch-compile", action="store_true", help="compile the compared settings' decode steps")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--result-file")
+    args = p.parse_args(argv)
+    prompts = humaneval_prompts(args.num_prompts)
+    ref = run("float32", False, prompts, args.max_tokens)
+    rows = {}
+    print(f"{args.num_prompts} HumanEval prompts, {args.max_tokens} greedy tokens each, against float32 (eager)")
+    print("| Setting | Identical sequences | Mean tokens before first difference | Max / mean abs logprob diff |")
+    print("|---|---|---|---|")
+    for dtype in args.dtype:
+        name = dtype + (" compiled" if args.torch_compile else "")
+        r = rows[name] = compare(ref, run(dtype, args.torch_compile, prompts, args.max_tokens))
+        print(f"| {name} | {r['identical']}/{r['sequences']} | {r['mean_tokens_before_first_difference']:.1f} | "
+              f"{r['max_abs_logprob_diff']:.4f} / {r['mean_abs_logprob_diff']:.5f} |")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({"machine": machine_info(), "args": vars(args), "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

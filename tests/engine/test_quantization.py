@@ -1,0 +1,75 @@
+"""``quantization="fp16"``: a float32 model's linear weights stored in float16 and multiplied in
+float32 (fbgemm). It is the float32 engine on weights rounded to float16 (logprobs within float32
+rounding of that engine's, apart from the unrounded one's), and keeps the invariants: TP 2 gives
+TP 1's greedy and seeded tokens, speculative decoding with the flag on gives plain decoding's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tpspec import LLM, SamplingParams
+from tpspec.cpu_features import has_fbgemm
+
+pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown", "import"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+SEEDED = [SamplingParams(temperature=1.2, seed=7 + i, max_tokens=12, ignore_eos=True) for i in range(2)]
+ENGINE = dict(num_kv_blocks=64, max_model_len=128)
+
+
+def _run(folder: str, tp: int = 1, **kw) -> dict:
+    with LLM(folder, tensor_parallel_size=tp, **ENGINE, **kw) as llm:
+        greedy = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SEEDED, use_tqdm=False)]
+    return dict(greedy=[list(o.token_ids) for o in greedy], seeded=seeded,
+                logprobs=torch.tensor([lp[t] for o in greedy for t, lp in zip(o.token_ids, o.logprobs)]))
+
+
+@pytest.fixture(scope="module")
+def rounded_llama(tiny_llama, tmp_path_factory) -> str:
+    """tiny_llama with its linear weights rounded to float16 (and stored as float32 again)."""
+    folder = str(tmp_path_factory.mktemp("tiny-llama-fp16-rounded"))
+    for name in os.listdir(tiny_llama):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(tiny_llama, name), folder)
+    weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    rounded = {k: v.half().float() if k.endswith("proj.weight") or k == "lm_head.weight" else v for k, v in weights.items()}
+    assert any(not torch.equal(rounded[k], weights[k]) for k in weights)
+    save_file(rounded, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_fp16_weights_are_the_float32_engine_on_rounded_weights(tiny_llama, rounded_llama):
+    quantized = _run(tiny_llama, quantization="fp16")
+    on_rounded = _run(rounded_llama)
+    unrounded = _run(tiny_llama)
+    assert quantized["greedy"] == on_rounded["greedy"]
+    if unrounded["greedy"] == quantized["greedy"]:  # the same tokens: their logprobs show which weights ran
+        gap_to_rounded = (quantized["logprobs"] - on_rounded["logprobs"]).abs().max().item()
+        gap_to_unrounded = (quantized["logprobs"] - unrounded["logprobs"]).abs().max().item()
+        assert gap_to_rounded < 1e-4 < gap_to_unrounded
+
+
+def test_fp16_weights_keep_tp_and_speculative_invariants(tiny_llama, tiny_dflash):
+    spec = dict(method="dflash", model=tiny_dflash, num_speculative_tokens=3, use_local_argmax_reduction=True,
+                adaptive=False)  # a fixed k: an untrained drafter would be switched off
+    tp1 = _run(tiny_llama, quantization="fp16")
+    tp2 = _run(tiny_llama, 2, quantization="fp16")
+    spec1 = _run(tiny_llama, quantization="fp16", speculative_config=spec)
+    spec2 = _run(tiny_llama, 2, quantization="fp16", speculative_config=spec)
+    assert tp2["greedy"] == tp1["greedy"] and tp2["seeded"] == tp1["seeded"]
+    assert spec1["greedy"] == tp1["greedy"] and spec2["greedy"] == tp1["greedy"]
+    assert spec2["seeded"] == spec1["seeded"]
+
+
+def test_bad_quantization_options_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('fp16',\) or None, got 'int3'"):
+        LLM(tiny_llama, quantization="int3", **ENGINE)
+    with pytest.raises(ValueError, match="quantization='fp16' stores a float32 model's weights in float16"):
+        LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)
