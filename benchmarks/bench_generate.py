@@ -11,7 +11,7 @@ tpspec sets torch's thread count per rank (cores // TP), transformers gets all c
 The batch-1 greedy tokens are checked against transformers' ("k/N equal"; a request whose
 tpspec output contains EOS is compared up to it, as ``min_new_tokens`` suppresses EOS there).
 
-  python3 benchmarks/bench_generate.py --tp 1 2 --dtype float32 bfloat16 --torch-compile off on --result-file out.json
+  python3 benchmarks/bench_generate.py --tp 1 2 --dtype float32 bfloat16 --torch-compile off on --quantization none fp16 --result-file out.json
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from tpspec.bench.datasets import DATASETS, load_prompts
 from tpspec.bench.machine import machine_info
+from tpspec.config import QUANTIZATION_METHODS
 from tpspec.llm import LLM
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", nargs="+", choices=sorted(TORCH_DTYPES), default=["float32"])
     p.add_argument("--torch-compile", nargs="+", choices=["off", "on"], default=["off"],
                    help="tpspec's compiled decode steps (EngineConfig.torch_compile, TP 1): off, on or both")
+    p.add_argument("--quantization", nargs="+", choices=["none", *QUANTIZATION_METHODS], default=["none"],
+                   help="tpspec weight formats (fp16 applies to float32 only)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--num-batch1", type=int, default=4, help="prompts run one at a time (batch 1)")
     p.add_argument("--concurrency", type=int, default=32, help="prompts submitted at once (0: skip)")
@@ -58,10 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def result(system: str, tp, dtype: str, batch: int, tokens: list[list[int]], elapsed: float, compiled: bool = False) -> dict:
+def result(system: str, tp, dtype: str, batch: int, tokens: list[list[int]], elapsed: float, compiled: bool = False,
+           quantization: str | None = None) -> dict:
     n_out = sum(len(t) for t in tokens)
-    return dict(system=system, tp=tp, dtype=dtype, compiled=compiled, batch=batch, requests=len(tokens),
-                output_tokens=n_out, elapsed_s=round(elapsed, 3), output_tok_s=n_out / elapsed)
+    return dict(system=system, tp=tp, dtype=dtype, quantization=quantization, compiled=compiled, batch=batch,
+                requests=len(tokens), output_tokens=n_out, elapsed_s=round(elapsed, 3), output_tok_s=n_out / elapsed)
 
 
 # ---- transformers ---------------------------------------------------------------------------
@@ -115,35 +119,39 @@ def bench_transformers(folder: str, dtype: str, b1: list[list[int]], batch: list
 
 
 # ---- tpspec ---------------------------------------------------------------------------------
-def tpspec_batch1(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp: int, dtype: str, compiled: bool) -> tuple[dict, list]:
+def tpspec_batch1(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp: int, dtype: str, compiled: bool,
+                  quantization: str | None) -> tuple[dict, list]:
     tokens, elapsed = [], 0.0
     for ids in prompts:
         start = time.perf_counter()
         out = llm.generate([ids], params, use_tqdm=False)
         elapsed += time.perf_counter() - start
         tokens.append(list(out[0].outputs[0].token_ids))
-    return result("tpspec", tp, dtype, 1, tokens, elapsed, compiled), tokens
+    return result("tpspec", tp, dtype, 1, tokens, elapsed, compiled, quantization), tokens
 
 
-def tpspec_concurrent(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp: int, dtype: str, compiled: bool) -> dict:
+def tpspec_concurrent(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp: int, dtype: str, compiled: bool,
+                      quantization: str | None) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return result("tpspec", tp, dtype, len(prompts), [list(o.outputs[0].token_ids) for o in outs], elapsed, compiled)
+    return result("tpspec", tp, dtype, len(prompts), [list(o.outputs[0].token_ids) for o in outs], elapsed, compiled,
+                  quantization)
 
 
-def bench_tpspec(tp: int, dtype: str, compiled: bool, b1: list[list[int]], batch: list[list[int]], args) -> tuple[list[dict], list]:
+def bench_tpspec(tp: int, dtype: str, compiled: bool, quantization: str | None, b1: list[list[int]], batch: list[list[int]],
+                 args) -> tuple[list[dict], list]:
     llm = LLM(model=args.model, tensor_parallel_size=tp, dtype=dtype, max_num_seqs=max(args.concurrency, 1), seed=args.seed,
-              torch_compile=compiled)
+              torch_compile=compiled, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, tokens = [], []
     try:
         llm.generate([(b1 or batch)[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         if b1:
-            row, tokens = tpspec_batch1(llm, b1, params, tp, dtype, compiled)
+            row, tokens = tpspec_batch1(llm, b1, params, tp, dtype, compiled, quantization)
             rows.append(row)
         if batch:
-            rows.append(tpspec_concurrent(llm, batch, params, tp, dtype, compiled))
+            rows.append(tpspec_concurrent(llm, batch, params, tp, dtype, compiled, quantization))
     finally:
         llm.shutdown()
     return rows, tokens
@@ -193,13 +201,13 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| System | TP | dtype | Compiled | Batch | Output tok/s | Speedup vs transformers (same dtype) "
+    lines = ["| System | TP | dtype | Quantization | Compiled | Batch | Output tok/s | Speedup vs transformers (same dtype) "
              "| Speedup vs transformers float32 | Greedy tokens = transformers |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     speed = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
     for r in rows:
         compiled = "-" if r["system"] == "transformers" else ("yes" if r["compiled"] else "no")
-        lines.append(f"| {r['system']} | {r['tp']} | {r['dtype']} | {compiled} | {r['batch']} | {r['output_tok_s']:.1f} "
+        lines.append(f"| {r['system']} | {r['tp']} | {r['dtype']} | {r.get('quantization') or '-'} | {compiled} | {r['batch']} | {r['output_tok_s']:.1f} "
                      f"| {speed(r['speedup_vs_transformers'])} | {speed(r['speedup_vs_transformers_float32'])} "
                      f"| {r.get('tokens_equal') or '-'} |")
     return "\n".join(lines)
@@ -221,16 +229,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logger.info("%d %s prompts (%d-%d tokens), %d new tokens each", n, args.dataset, min(map(len, ids)), max(map(len, ids)), args.max_tokens)
 
     rows: list[dict] = []
-    configs = [("transformers", None, d, False) for d in args.dtype if not args.skip_transformers]
-    # torch_compile is TP 1 only (EngineConfig).
-    configs += [("tpspec", tp, d, c == "on") for d in args.dtype for tp in args.tp for c in args.torch_compile if tp == 1 or c == "off"]
+    configs = [("transformers", None, d, False, None) for d in args.dtype if not args.skip_transformers]
+    # torch_compile is TP 1 only, quantization "fp16" float32 only (EngineConfig).
+    configs += [("tpspec", tp, d, c == "on", None if q == "none" else q) for d in args.dtype for q in args.quantization
+                for tp in args.tp for c in args.torch_compile if (tp == 1 or c == "off") and (q == "none" or d == "float32")]
     refs, eos = {}, None
-    for system, tp, dtype, compiled in tqdm(configs, desc="configs", unit="config"):
-        logger.info("measuring %s%s %s%s", system, f" TP {tp}" if tp else "", dtype, " compiled" if compiled else "")
+    for system, tp, dtype, compiled, quantization in tqdm(configs, desc="configs", unit="config"):
+        logger.info("measuring %s%s %s%s%s", system, f" TP {tp}" if tp else "", dtype, f" {quantization}" if quantization else "",
+                    " compiled" if compiled else "")
         if system == "transformers":
             new, refs[dtype], eos = bench_transformers(folder, dtype, b1, batch, args)
         else:
-            new, tokens = run_isolated(bench_tpspec, tp, dtype, compiled, b1, batch, args)
+            new, tokens = run_isolated(bench_tpspec, tp, dtype, compiled, quantization, b1, batch, args)
             if refs.get(dtype) and tokens:
                 new[0]["tokens_equal"] = f"{count_equal(tokens, refs[dtype], eos)}/{len(tokens)}"
         for r in new:
