@@ -1,12 +1,13 @@
 """How far a cheaper setting's greedy output strays from float32's: dtype and kernel accuracy.
 
 Generates ``--max-tokens`` greedy tokens for ``--num-prompts`` held-out HumanEval prompts with the
-default model in float32 (the reference) and in each ``--dtype`` (each in a fresh process), and
+default model in float32 (the reference) and in each setting (each in a fresh process): a dtype,
+or ``float32+fp16`` (float32 with ``--quantization fp16``), and
 reports per setting: the sequences identical to float32's, the mean number of tokens before the
 first difference, and on the tokens both agree on, the largest and mean absolute difference of
 the chosen token's log-probability against float32's (a logit error in nats).
 
-  python3 benchmarks/dtype_agreement.py --dtype float16 bfloat16 --result-file benchmarks/results/dtype_agreement.json
+  python3 benchmarks/dtype_agreement.py --settings float32+fp16 float16 bfloat16 --result-file benchmarks/results/dtype_agreement.json
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ from tpspec.bench.datasets import humaneval_prompts
 from tpspec.bench.machine import machine_info
 
 
-def _generate(dtype: str, torch_compile: bool, prompts: list[str], max_tokens: int, queue) -> None:
+def _generate(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, queue) -> None:
     from tpspec import LLM, SamplingParams
 
+    dtype, _, quantization = setting.partition("+")
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    with LLM(dtype=dtype, torch_compile=torch_compile) as llm:
+    with LLM(dtype=dtype, quantization=quantization or None, torch_compile=torch_compile) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     queue.put([(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outs])
 
 
-def run(dtype: str, torch_compile: bool, prompts: list[str], max_tokens: int):
+def run(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int):
     """Tokens and chosen-token logprobs of every prompt, from a fresh process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_generate, args=(dtype, torch_compile, prompts, max_tokens, queue))
+    proc = ctx.Process(target=_generate, args=(setting, torch_compile, prompts, max_tokens, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -57,7 +59,8 @@ def compare(ref, other) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", nargs="+", default=["float16"], help="settings compared with float32")
+    p.add_argument("--settings", nargs="+", default=["float32+fp16"],
+                   help="compared with float32: a dtype, or DTYPE+QUANTIZATION (float32+fp16)")
     p.add_argument("--torch-compile", action="store_true", help="compile the compared settings' decode steps")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -69,9 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.num_prompts} HumanEval prompts, {args.max_tokens} greedy tokens each, against float32 (eager)")
     print("| Setting | Identical sequences | Mean tokens before first difference | Max / mean abs logprob diff |")
     print("|---|---|---|---|")
-    for dtype in args.dtype:
-        name = dtype + (" compiled" if args.torch_compile else "")
-        r = rows[name] = compare(ref, run(dtype, args.torch_compile, prompts, args.max_tokens))
+    for setting in args.settings:
+        name = setting + (" compiled" if args.torch_compile else "")
+        r = rows[name] = compare(ref, run(setting, args.torch_compile, prompts, args.max_tokens))
         print(f"| {name} | {r['identical']}/{r['sequences']} | {r['mean_tokens_before_first_difference']:.1f} | "
               f"{r['max_abs_logprob_diff']:.4f} / {r['mean_abs_logprob_diff']:.5f} |")
     if args.result_file:
