@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from tpspec.bench.datasets import DATASETS, load_prompts
 from tpspec.bench.machine import machine_info
-from tpspec.config import QUANTIZATION_METHODS
+from tpspec.config import QUANTIZATION_OPTIONS
 from tpspec.llm import LLM
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", nargs="+", choices=sorted(TORCH_DTYPES), default=["float32"])
     p.add_argument("--torch-compile", nargs="+", choices=["off", "on"], default=["off"],
                    help="tpspec's compiled decode steps (EngineConfig.torch_compile, TP 1): off, on or both")
-    p.add_argument("--quantization", nargs="+", choices=["none", *QUANTIZATION_METHODS], default=["none"],
-                   help="tpspec weight formats (fp16 applies to float32 only)")
+    p.add_argument("--quantization", nargs="+", choices=QUANTIZATION_OPTIONS, default=["auto"],
+                   help="tpspec weight formats (auto: the engine's default; fp16 applies to float32 only)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--num-batch1", type=int, default=4, help="prompts run one at a time (batch 1)")
     p.add_argument("--concurrency", type=int, default=32, help="prompts submitted at once (0: skip)")
@@ -120,7 +120,7 @@ def bench_transformers(folder: str, dtype: str, b1: list[list[int]], batch: list
 
 # ---- tpspec ---------------------------------------------------------------------------------
 def tpspec_batch1(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp: int, dtype: str, compiled: bool,
-                  quantization: str | None) -> tuple[dict, list]:
+                  quantization: str) -> tuple[dict, list]:
     tokens, elapsed = [], 0.0
     for ids in prompts:
         start = time.perf_counter()
@@ -131,7 +131,7 @@ def tpspec_batch1(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp
 
 
 def tpspec_concurrent(llm: LLM, prompts: list[list[int]], params: SamplingParams, tp: int, dtype: str, compiled: bool,
-                      quantization: str | None) -> dict:
+                      quantization: str) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -139,10 +139,11 @@ def tpspec_concurrent(llm: LLM, prompts: list[list[int]], params: SamplingParams
                   quantization)
 
 
-def bench_tpspec(tp: int, dtype: str, compiled: bool, quantization: str | None, b1: list[list[int]], batch: list[list[int]],
+def bench_tpspec(tp: int, dtype: str, compiled: bool, quantization: str, b1: list[list[int]], batch: list[list[int]],
                  args) -> tuple[list[dict], list]:
     llm = LLM(model=args.model, tensor_parallel_size=tp, dtype=dtype, max_num_seqs=max(args.concurrency, 1), seed=args.seed,
               torch_compile=compiled, quantization=quantization)
+    quantization = llm.llm_engine.config.quantization or "none"  # what "auto" became
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, tokens = [], []
     try:
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     configs = [("transformers", None, d, False, None) for d in args.dtype if not args.skip_transformers]
     # torch_compile is TP 1 only, quantization "fp16" float32 only (EngineConfig).
-    configs += [("tpspec", tp, d, c == "on", None if q == "none" else q) for d in args.dtype for q in args.quantization
-                for tp in args.tp for c in args.torch_compile if (tp == 1 or c == "off") and (q == "none" or d == "float32")]
+    configs += [("tpspec", tp, d, c == "on", q) for d in args.dtype for q in args.quantization
+                for tp in args.tp for c in args.torch_compile if (tp == 1 or c == "off") and (q != "fp16" or d == "float32")]
     refs, eos = {}, None
     for system, tp, dtype, compiled, quantization in tqdm(configs, desc="configs", unit="config"):
         logger.info("measuring %s%s %s%s%s", system, f" TP {tp}" if tp else "", dtype, f" {quantization}" if quantization else "",

@@ -23,9 +23,9 @@ from tpspec.bench.machine import machine_info
 def _generate(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, queue) -> None:
     from tpspec import LLM, SamplingParams
 
-    dtype, _, quantization = setting.partition("+")
+    dtype, _, quantization = setting.partition("+")  # float32 alone: unquantized
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    with LLM(dtype=dtype, quantization=quantization or None, torch_compile=torch_compile) as llm:
+    with LLM(dtype=dtype, quantization=quantization or "none", torch_compile=torch_compile) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     queue.put([(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outs])
 

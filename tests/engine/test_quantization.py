@@ -1,7 +1,8 @@
-"""``quantization="fp16"``: a float32 model's linear weights stored in float16 and multiplied in
-float32 (fbgemm). It is the float32 engine on weights rounded to float16 (logprobs within float32
-rounding of that engine's, apart from the unrounded one's), and keeps the invariants: TP 2 gives
-TP 1's greedy and seeded tokens, speculative decoding with the flag on gives plain decoding's."""
+"""``quantization="fp16"`` (what ``auto`` picks for float32 on CPU): a float32 model's linear
+weights stored in float16 and multiplied in float32 (fbgemm). It is the float32 engine on weights
+rounded to float16 (logprobs within float32 rounding of that engine's, apart from the unrounded
+one's), and keeps the invariants: TP 2 gives TP 1's greedy and seeded tokens, speculative decoding
+with the flag on gives plain decoding's."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def rounded_llama(tiny_llama, tmp_path_factory) -> str:
 
 def test_fp16_weights_are_the_float32_engine_on_rounded_weights(tiny_llama, rounded_llama):
     quantized = _run(tiny_llama, quantization="fp16")
-    on_rounded = _run(rounded_llama)
-    unrounded = _run(tiny_llama)
+    on_rounded = _run(rounded_llama, quantization="none")
+    unrounded = _run(tiny_llama, quantization="none")
+    assert _run(tiny_llama)["logprobs"].tolist() == quantized["logprobs"].tolist()  # auto: fp16 on CPU
     assert quantized["greedy"] == on_rounded["greedy"]
     if unrounded["greedy"] == quantized["greedy"]:  # the same tokens: their logprobs show which weights ran
         gap_to_rounded = (quantized["logprobs"] - on_rounded["logprobs"]).abs().max().item()
@@ -69,7 +71,7 @@ def test_fp16_weights_keep_tp_and_speculative_invariants(tiny_llama, tiny_dflash
 
 
 def test_bad_quantization_options_are_refused(tiny_llama):
-    with pytest.raises(ValueError, match=r"quantization must be one of \('fp16',\) or None, got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16'\), got 'int3'"):
         LLM(tiny_llama, quantization="int3", **ENGINE)
     with pytest.raises(ValueError, match="quantization='fp16' stores a float32 model's weights in float16"):
         LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)

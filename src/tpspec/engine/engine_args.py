@@ -17,7 +17,7 @@ from typing import Any
 from tpspec.config import (
     BACKENDS,
     DEFAULT_MASTER_PORT,
-    QUANTIZATION_METHODS,
+    QUANTIZATION_OPTIONS,
     SAMPLING_MODES,
     SUPPORTED_DTYPES,
     CacheConfig,
@@ -85,9 +85,10 @@ class EngineArgs:
     torch_compile: bool = _option(
         _config_default(EngineConfig, "torch_compile"), "run decode steps through torch.compile'd decoder layers: "
         "faster on CPU; compiles at start-up (tens of seconds, cached on disk)")
-    quantization: str | None = _option(
-        _config_default(EngineConfig, "quantization"), "fp16 = the linear layers' weights stored in float16, multiplied "
-        "in float32 (CPU, fbgemm; with --dtype float32): half the weight bytes, faster decoding", str, QUANTIZATION_METHODS)
+    quantization: str = _option(
+        "auto", "fp16 = the linear layers' weights stored in float16, multiplied in float32 (CPU, fbgemm; with --dtype "
+        "float32): half the weight bytes, faster decoding; auto = fp16 for float32 on CPU; none = off",
+        str, QUANTIZATION_OPTIONS)
 
     # ---- the command line ---------------------------------------------------------------------
     @classmethod
@@ -120,7 +121,7 @@ class EngineArgs:
     def create_engine_config(self, device_kind: str) -> EngineConfig:
         """The validated ``EngineConfig`` (model and drafter resolved and read) for ``device_kind``
         ("cpu" or "cuda", from ``resolve_device``)."""
-        from tpspec.config import ModelArchConfig, resolve_dtype
+        from tpspec.config import ModelArchConfig, resolve_dtype, resolve_quantization
         from tpspec.cpu_features import emulated_dtype_warning, has_fbgemm
         from tpspec.models.loader.resolve import resolve_model
         from tpspec.spec_decode.resolve import resolve_drafter
@@ -132,10 +133,11 @@ class EngineArgs:
             raise ValueError(f"distributed_backend='nccl' needs CUDA devices, got device {device_kind!r}; "
                              "use 'gloo' or 'auto' on CPU")
         dtype = resolve_dtype(self.dtype, device_kind)
-        if self.quantization == "fp16" and device_kind != "cpu":
+        quantization = resolve_quantization(self.quantization, dtype, device_kind)
+        if quantization == "fp16" and device_kind != "cpu":
             raise ValueError(f"quantization='fp16' is a CPU weight format (fbgemm), got device {device_kind!r}; "
                              "on CUDA use --dtype float16")
-        if self.quantization == "fp16" and not has_fbgemm():
+        if quantization == "fp16" and not has_fbgemm():
             raise ValueError("quantization='fp16' needs fbgemm, which this torch build lacks (x86 builds have it)")
         warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None
         if warning:
@@ -167,7 +169,7 @@ class EngineArgs:
             draft_arch=draft_arch,
             sampling_mode=self.sampling_mode,
             torch_compile=self.torch_compile,
-            quantization=self.quantization,
+            quantization=quantization,
         )
         if self.max_model_len is None:  # the model's context, unless the KV cache holds less
             import torch
