@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tpspec import LLM, SamplingParams
+from tpspec.config import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
 
 pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
@@ -75,3 +76,11 @@ def test_bad_quantization_options_are_refused(tiny_llama):
         LLM(tiny_llama, quantization="int3", **ENGINE)
     with pytest.raises(ValueError, match="quantization='fp16' stores a float32 model's weights in float16"):
         LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)
+
+
+def test_auto_is_fp16_only_for_float32_on_cpu():
+    assert resolve_quantization("auto", "float32", "cpu") == "fp16"
+    assert resolve_quantization("auto", "bfloat16", "cpu") is None
+    assert resolve_quantization("auto", "float16", "cpu") is None
+    assert resolve_quantization("auto", "float32", "cuda") is None
+    assert resolve_quantization("none", "float32", "cpu") is None

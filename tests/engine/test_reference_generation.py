@@ -1,5 +1,6 @@
-"""The default model (SmolLM2-135M-Instruct, fp32 on CPU) generates the same greedy tokens as
-transformers loading the same GGUF file through its own, independent GGUF reader."""
+"""The default model (SmolLM2-135M-Instruct) with the default settings (float32 on CPU, its linear
+weights in float16: ``--quantization auto``) generates the same greedy tokens as transformers in
+float32, loading the same GGUF file through its own, independent GGUF reader."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tpspec import LLM, SamplingParams
+from tpspec.cpu_features import has_fbgemm
 from tpspec.default_model import default_model_path
 
 # Five tokens each, so transformers runs them as one batch without padding (and a padded batch's
@@ -27,6 +29,7 @@ MAX_TOKENS = 32
 def ours():
     with LLM(num_kv_blocks=64, max_model_len=512) as llm:
         assert llm.llm_engine.config.dtype == "float32"
+        assert llm.llm_engine.config.quantization == ("fp16" if has_fbgemm() else None)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         outputs += llm.chat(CHAT, params, use_tqdm=False)

@@ -1,6 +1,6 @@
 """``torch_compile=True``: decode steps through the compiled decoder layer give the eager engine's
-tokens (float32, greedy and seeded) through the same packed oneDNN products (the compiled graph
-calls ``tpspec::packed_linear``), and every graph is compiled at start-up: serving batches of
+tokens (float32, greedy and seeded) through the same packed products (fbgemm's on the default
+float16 weights; the compiled graph calls ``tpspec::packed_linear``), and every graph is compiled at start-up: serving batches of
 other sizes and contexts of every length compiles nothing more. TP > 1 is refused."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ SEEDED = [SamplingParams(temperature=1.5, seed=20 + i, top_p=0.95, max_tokens=20
 
 def _generate(folder: str, tp: int, torch_compile: bool, monkeypatch) -> dict:
     packed_products = []
-    onednn_linear = tpspec.layers.linear._onednn_linear
-    monkeypatch.setattr(tpspec.layers.linear, "_onednn_linear", lambda *a: packed_products.append(1) or onednn_linear(*a))
+    for kernel in ("_onednn_linear", "_fbgemm_float16_linear"):  # float32 weights, float16 weights (the default)
+        original = getattr(tpspec.layers.linear, kernel)
+        monkeypatch.setattr(tpspec.layers.linear, kernel, lambda *a, f=original: packed_products.append(1) or f(*a))
     with LLM(folder, tensor_parallel_size=tp, num_kv_blocks=96, max_model_len=128, torch_compile=torch_compile) as llm:
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         packed_products.clear()  # the start-up compilation's dummy steps
