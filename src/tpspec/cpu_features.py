@@ -60,4 +60,3 @@ def has_fbgemm() -> bool:
     import torch
 
     return "fbgemm" in torch.backends.quantized.supported_engines
-

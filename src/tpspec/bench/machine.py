@@ -1,7 +1,7 @@
-"""What a benchmark result was measured on and with: CPU model and ISA flags (and any caps on them), cores, Python, torch
-and its threads, the commit (and whether the tree was dirty; None outside a git checkout), the
-command line. Every result file of ``benchmarks/`` and ``tpspec bench`` records it: figures from
-two CPUs are never one ratio."""
+"""What a benchmark result was measured on and with: CPU model and ISA flags (and any caps on
+them), cores, Python, torch and its threads, the commit (and whether the tree was dirty; None
+outside a git checkout), the command line. Every result file of ``benchmarks/`` and ``tpspec
+bench`` records it: figures from two CPUs are never one ratio."""
 
 from __future__ import annotations
 

@@ -67,14 +67,11 @@ def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -
     return out.to(x.dtype)
 
 
-# The packed layouts: "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16
-# model's own, or a float32 model's with quantization="fp16").
-PACKED_FORMATS = ("onednn", "fp16")
-
-
 @dataclass(frozen=True)
 class PackedWeight:
-    format: str  # one of PACKED_FORMATS
+    # "onednn" (float32, reordered) or "fp16" (fbgemm, float16 weights: a float16 model's own, or a
+    # float32 model's with quantization="fp16")
+    format: str
     data: object  # the library's packed weight
 
 
