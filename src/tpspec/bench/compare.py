@@ -43,7 +43,7 @@ _READY = re.compile(r"server ready: (http://[0-9.]+:\d+)")
 
 
 class ServerStartError(RuntimeError):
-    """``tpspec serve`` died or did not become healthy in time (the message has its log tail)."""
+    """A server died or did not become healthy in time (the message has its log tail)."""
 
 
 def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -56,13 +56,24 @@ def _log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 
 class ServerProcess:
     """``python -m tpspec serve`` in its own session (process group), listening on a free loopback
-    port (``--port 0``; the port is read from its 'server ready' log line), logging to ``log_path``."""
+    port (``--port 0``; the port is read from its 'server ready' log line), logging to ``log_path``.
+    With ``command`` and ``url`` instead: any OpenAI-compatible server (vLLM, transformers,
+    llama.cpp) started by that command line, listening where the caller told it to, ready when
+    ``ready_path`` answers 200."""
 
-    def __init__(self, serve_argv: list[str], log_path: str) -> None:
+    def __init__(self, serve_argv: list[str], log_path: str, *, command: list[str] | None = None,
+                 url: str | None = None, env: dict[str, str] | None = None, ready_path: str = "/health",
+                 name: str = "tpspec serve") -> None:
+        if (command is None) != (url is None):
+            raise ValueError("ServerProcess: give both command and url (another server), or neither (tpspec serve)")
         self.serve_argv = serve_argv
         self.log_path = log_path
+        self.command = command
+        self.env = env
+        self.ready_path = ready_path
+        self.name = name
         self.proc: subprocess.Popen | None = None
-        self.url: str | None = None
+        self.url: str | None = url
         self._log = None
 
     def _exited(self) -> bool:
@@ -72,7 +83,7 @@ class ServerProcess:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+            with urllib.request.urlopen(self.url + self.ready_path, timeout=5) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -81,16 +92,17 @@ class ServerProcess:
         """Start the server and wait until ``/health`` answers 200; its base URL."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self._log = open(self.log_path, "w", encoding="utf-8")
-        cmd = [sys.executable, "-m", "tpspec", "--log-level", "INFO", "serve", *self.serve_argv,
-               "--host", "127.0.0.1", "--port", "0", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        cmd = self.command or [
+            sys.executable, "-m", "tpspec", "--log-level", "INFO", "serve", *self.serve_argv, "--host", "127.0.0.1",
+            "--port", "0", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
         logger.info("starting %s (log: %s)", " ".join(cmd[1:]), self.log_path)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=self.env)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._exited():
                 self.stop()
-                raise ServerStartError(f"tpspec serve exited with status {self.proc.returncode} before it was ready; "
+                raise ServerStartError(f"{self.name} exited with status {self.proc.returncode} before it was ready; "
                                        f"last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
             if self.url is None:
                 with open(self.log_path, encoding="utf-8", errors="replace") as f:
@@ -100,7 +112,7 @@ class ServerProcess:
                 return self.url
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerStartError(f"tpspec serve was not healthy after {timeout_s:g} s (raise --server-timeout "
+                raise ServerStartError(f"{self.name} was not healthy after {timeout_s:g} s (raise --server-timeout "
                                        f"if it is just slow); last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
             time.sleep(0.2)
 
@@ -116,7 +128,7 @@ class ServerProcess:
                 while not self._exited() and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if not self._exited():
-                    logger.warning("tpspec serve did not stop within %g s of SIGTERM; killing it", grace_s)
+                    logger.warning("%s did not stop within %g s of SIGTERM; killing it", self.name, grace_s)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
