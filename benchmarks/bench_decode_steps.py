@@ -6,6 +6,9 @@ throughput = batch · decode steps / time, and the median step. ``bench_generate
 whole requests, prefill included; this isolates the per-token path (attention, matmuls, sampling).
 
   python3 benchmarks/bench_decode_steps.py --tp 2 --dtype bfloat16 --batch 32 --result-file decode_steps.json
+
+``--profile N`` runs the first N decode steps under ``torch.profiler`` (TP 1: this process's ops)
+and prints the ops that took the most time, self time first.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 
 from tpspec.bench.datasets import humaneval_prompts
 from tpspec.bench.machine import machine_info
+from tpspec.config import QUANTIZATION_OPTIONS
 from tpspec.llm import LLM
 from tpspec.sampling_params import SamplingParams
 
@@ -28,15 +32,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--torch-compile", action="store_true", help="compiled decode steps (EngineConfig.torch_compile)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_OPTIONS)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="profile the first N decode steps")
     p.add_argument("--result-file", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
-    llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype, torch_compile=args.torch_compile)
+    llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype, torch_compile=args.torch_compile,
+              quantization=args.quantization)
     llm.generate(humaneval_prompts()[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for prompt in humaneval_prompts()[: args.batch]:
         engine.add_request(prompt, params)
     engine.step()  # prefill (the whole batch fits one step's token budget by default)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.profile):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     steps = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -46,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.perf_counter() - start
     tok_s, median_ms = args.batch * len(steps) / elapsed, 1e3 * statistics.median(steps)
     compiled = ", compiled" if args.torch_compile else ""
-    print(f"{args.dtype} TP {args.tp}{compiled} batch {args.batch}: {len(steps)} decode steps, "
+    print(f"{args.dtype} ({args.quantization}) TP {args.tp}{compiled} batch {args.batch}: {len(steps)} decode steps, "
           f"{tok_s:.1f} tok/s, median step {median_ms:.1f} ms")
     if args.result_file:
         with open(args.result_file, "w") as f:

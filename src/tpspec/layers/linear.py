@@ -75,9 +75,14 @@ class PackedWeight:
     data: object  # the library's packed weight
 
 
+# Read once: torch.compile cannot trace the library checks (a graph break in every layer).
+_HAS_ONEDNN = torch.backends.mkldnn.is_available()
+_HAS_FBGEMM = has_fbgemm()
+
+
 def _packable(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and (
-        w.dtype == torch.float32 and torch.backends.mkldnn.is_available() or w.dtype == torch.float16 and has_fbgemm()
+        w.dtype == torch.float32 and _HAS_ONEDNN or w.dtype == torch.float16 and _HAS_FBGEMM
     )
 
 
@@ -161,7 +166,7 @@ def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):
             w = module.weight
-            packed_weight_of(w, "fp16" if quantization == "fp16" and _packable(w) and has_fbgemm() else None)
+            packed_weight_of(w, "fp16" if quantization == "fp16" and _packable(w) and _HAS_FBGEMM else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
