@@ -8,7 +8,8 @@ up, and loaded by the same ``tpspec bench serve`` workload (HumanEval prompts on
 two engines share the two cores. ``--repeats`` rounds reverse the engine order every other round.
 
 Engines (one that is not installed is skipped, and the log says why):
-- tpspec: ``python -m tpspec serve`` with its defaults, plus ``--tpspec-flags``;
+- tpspec: ``python -m tpspec serve`` with its defaults, once per ``--tpspec-configs`` entry (extra
+  flags; the default entry "" adds none), each its own row named by its flags;
 - transformers: ``transformers serve FOLDER --continuous-batching`` from this interpreter's
   environment (it refuses ``ignore_eos``, so no engine gets it: each generates until EOS or
   ``--max-tokens``, and the table gives every engine's output tokens and how many of its texts
@@ -76,7 +77,8 @@ def engine_commands(args: argparse.Namespace, folder: str, gguf: str | None) -> 
     """engine -> (command builder taking a port, interpreter, ready path); engine -> why skipped."""
     commands, skipped = {}, {}
     threads = str(os.cpu_count() or 1)
-    commands["tpspec"] = (None, sys.executable, "/health")
+    for flags in args.tpspec_configs:
+        commands[tpspec_name(flags)] = (shlex.split(flags), sys.executable, "/health")
     transformers_cli = shutil.which("transformers", path=os.path.dirname(sys.executable))
     if transformers_cli is None:
         skipped["transformers"] = "no transformers CLI beside this interpreter"
@@ -102,15 +104,20 @@ def engine_commands(args: argparse.Namespace, folder: str, gguf: str | None) -> 
             lambda port: [llama, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "4096", "--n_threads", threads,
                           "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
             llama, "/v1/models")
-    return {e: commands[e] for e in args.engines if e in commands}, {e: skipped[e] for e in args.engines if e in skipped}
+    chosen = {e: c for e, c in commands.items() if e.split(" ")[0] in args.engines}
+    return chosen, {e: skipped[e] for e in args.engines if e in skipped}
+
+
+def tpspec_name(flags: str) -> str:
+    return " ".join(["tpspec", *shlex.split(flags)])
 
 
 def run_engine(engine: str, spec: tuple, args: argparse.Namespace, folder: str, log_dir: str, round_: int) -> list[dict]:
     """Start ``engine``'s server, run each concurrency's workload against it, stop it."""
     build, _, ready_path = spec
-    log = os.path.join(log_dir, f"engines.r{round_}.{engine}.server.log")
-    if build is None:
-        server = ServerProcess(["--model", folder, "--dtype", args.dtype, *shlex.split(args.tpspec_flags)], log)
+    log = os.path.join(log_dir, f"engines.r{round_}.{'_'.join(engine.replace('-', '').split())}.server.log")
+    if isinstance(build, list):  # tpspec's extra flags
+        server = ServerProcess(["--model", folder, "--dtype", args.dtype, *build], log)
     else:
         port = _free_port()
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_cache_gb:g}")
@@ -133,11 +140,12 @@ def run_engine(engine: str, spec: tuple, args: argparse.Namespace, folder: str, 
     return rows
 
 
-def summarize(rows: list[dict], reference: str = "tpspec") -> list[dict]:
-    """Per (engine, concurrency): mean and range over rounds, texts equal to tpspec's round-0 texts."""
-    ref = {r["concurrency"]: r["generated_texts"] for r in rows if r["engine"] == reference and r["round"] == 0}
+def summarize(rows: list[dict], engines: list[str]) -> list[dict]:
+    """Per (engine, concurrency): mean and range over rounds, texts equal to the first engine's
+    (tpspec's default) round-0 texts."""
+    ref = {r["concurrency"]: r["generated_texts"] for r in rows if r["engine"] == engines[0] and r["round"] == 0}
     out = []
-    for engine in ENGINES:
+    for engine in engines:
         for c in sorted({r["concurrency"] for r in rows}):
             runs = [r for r in rows if r["engine"] == engine and r["concurrency"] == c]
             if not runs:
@@ -158,7 +166,10 @@ def summarize(rows: list[dict], reference: str = "tpspec") -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
-    base = {s["concurrency"]: s for s in summary if s["engine"] == "tpspec"}
+    """tpspec's first configuration is the reference of the ratio and text columns."""
+    base = {}
+    for s in summary:
+        base.setdefault(s["concurrency"], s)
 
     def spread(mean, lo, hi, fmt):
         return fmt.format(mean) + (f" ({fmt.format(lo)}–{fmt.format(hi)})" if hi != lo else "")
@@ -181,7 +192,9 @@ def main() -> None:
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     p.add_argument("--model", default=None, help="a folder or .gguf file (default: the embedded default model)")
     p.add_argument("--dtype", default="float32", help="every engine's model dtype")
-    p.add_argument("--tpspec-flags", default="", help="more `tpspec serve` flags, e.g. '--tensor-parallel-size 2'")
+    p.add_argument("--tpspec-configs", nargs="+", default=[""],
+                   help="tpspec serve configurations as extra flags, e.g. '' '--quantization none' (the first is "
+                        "the reference of the ratios)")
     p.add_argument("--vllm-python", default=None, help="the python of a virtual environment with vllm-cpu")
     p.add_argument("--llamacpp-python", default=None, help="the python of a virtual environment with llama-cpp-python[server]")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
@@ -202,7 +215,7 @@ def main() -> None:
     commands, skipped = engine_commands(args, folder, gguf)
     for engine, why in skipped.items():
         logger.warning("skipping %s: %s", engine, why)
-    versions = {e: _version(spec[1], PACKAGES[e]) for e, spec in commands.items()}
+    versions = {e: _version(spec[1], PACKAGES[e.split(" ")[0]]) for e, spec in commands.items()}
     log_dir = os.path.dirname(os.path.abspath(args.result_file))
     rows, errors = [], {}
     for round_ in range(args.repeats):
@@ -213,7 +226,7 @@ def main() -> None:
             except (ServerStartError, RuntimeError) as e:
                 logger.error("%s failed in round %d: %s", engine, round_, e)
                 errors.setdefault(engine, []).append(str(e))
-    summary = summarize(rows)
+    summary = summarize(rows, list(commands))
     write_json(args.result_file, {"machine": machine_info(), "args": vars(args), "model_folder": folder, "gguf": gguf,
                                   "versions": versions, "skipped": skipped, "errors": errors, "summary": summary,
                                   "runs": rows})
