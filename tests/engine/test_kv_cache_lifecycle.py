@@ -191,3 +191,22 @@ def test_chunked_prefill_gives_the_same_output(model, engine_args):
         assert stats["num_steps"] >= -(-longest // budget) + MAX_TOKENS - 1
     else:
         assert stats["num_steps"] == MAX_TOKENS
+
+
+def test_a_lone_sequence_gets_consecutive_blocks():
+    """Lowest free block first: after others freed theirs out of order, a request that grows one
+    block at a time alone still gets consecutive blocks (attention then reads them in place)."""
+    from tpspec.engine.kv_cache import BlockManager
+    from tpspec.engine.sequence import Request
+
+    manager = BlockManager(num_blocks=16, block_size=4)
+    first, second = (Request(name, [1], SamplingParams(), seed=0, max_tokens=16, eos_token_ids=frozenset()) for name in "ab")
+    for n in range(1, 6):  # interleaved growth: a gets 0, 2, 4, ...; b gets 1, 3, 5, ...
+        assert manager.allocate(first, 4 * n) and manager.allocate(second, 4 * n)
+    manager.free(second)
+    manager.free(first)
+    lone = Request("c", [1], SamplingParams(), seed=0, max_tokens=16, eos_token_ids=frozenset())
+    for tokens in range(1, 33):
+        assert manager.allocate(lone, tokens)
+    assert lone.block_ids == list(range(8))
+    assert manager.num_free_blocks == 8

@@ -1,8 +1,9 @@
 """``Attention`` over the paged KV cache against a plain per-sequence softmax attention: prefill
 chunks, speculative (k + 1 query) steps and decode steps (the fused-SDPA path), batched with
 padding and across query-length groups, with a non-causal draft block, uniform GQA groups and an
-uneven head split, in float32, float16 and bfloat16. The cache holds only the earlier tokens
-before the call: the attention writes the new tokens' K/V itself."""
+uneven head split, in float32, float16 and bfloat16, with each sequence's blocks scattered or
+consecutive (a lone sequence in consecutive blocks is read in place, not gathered). The cache
+holds only the earlier tokens before the call: the attention writes the new tokens' K/V itself."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0):
     [
         ([1, 1, 1], [9, 14, 5], None),  # decodes
         ([1], [11], None),
+        ([6], [13], None),  # one sequence's prefill chunk
+        ([4], [9], [4]),  # one sequence's draft block
         ([3, 1, 2], [9, 14, 5], None),  # mixed: a decode beside k + 1 queries
         ([4, 4], [9, 14], None),  # k + 1 queries
         ([1, 7, 2, 1, 16, 3], [9, 20, 5, 30, 18, 12], None),  # groups out of step order, padded within each
@@ -44,14 +47,17 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0):
         ([4, 1, 3], [9, 14, 7], [4, 0, 3]),  # non-causal draft blocks (DFlash)
     ],
 )
-def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens, context_lens, tail):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens, context_lens, tail, consecutive):
     g = torch.Generator().manual_seed(len(query_lens) * 10 + heads)
     kv_heads = 2
-    num_blocks = 48
+    num_blocks = 64
     k_cache = torch.zeros(num_blocks * BLOCK, kv_heads, HEAD_DIM, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # Scattered, non-contiguous blocks per sequence.
-    tables = [[(7 * i + 3 * j + 1) % num_blocks for j in range(-(-c // BLOCK))] for i, c in enumerate(context_lens)]
+    if consecutive:  # each sequence's blocks one after the other, from block 5 + 10·i
+        tables = [[5 + 10 * i + j for j in range(-(-c // BLOCK))] for i, c in enumerate(context_lens)]
+    else:  # scattered, non-contiguous blocks per sequence
+        tables = [[(7 * i + 3 * j + 1) % num_blocks for j in range(-(-c // BLOCK))] for i, c in enumerate(context_lens)]
     assert len({b for t in tables for b in t}) == sum(len(t) for t in tables)
     keys = [torch.randn(c, kv_heads, HEAD_DIM, generator=g).to(dtype) for c in context_lens]
     values = [torch.randn(c, kv_heads, HEAD_DIM, generator=g).to(dtype) for c in context_lens]
@@ -67,6 +73,8 @@ def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens,
     new_v = torch.cat([vv[-n:] for vv, n in zip(values, query_lens)])
     md = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK, torch.device("cpu"), non_causal_tail=tail)
     assert md.decode_only == (max(query_lens) == 1)
+    alone = consecutive and len(query_lens) == 1
+    assert md.contiguous_slots == ((5 * BLOCK, context_lens[0]) if alone else None)
     attn = Attention(heads, kv_heads, HEAD_DIM, torch.tensor(kv_of_head))
     out = attn(torch.cat(q), new_k, new_v, (k_cache, v_cache), md)
     assert out.dtype == dtype and out.shape == (sum(query_lens), heads * HEAD_DIM)

@@ -1,8 +1,12 @@
-"""Paged KV-cache bookkeeping: a free list of fixed-size blocks and per-request block tables."""
+"""Paged KV-cache bookkeeping: a free list of fixed-size blocks and per-request block tables.
+
+The lowest-numbered free block goes first, so a sequence that grows alone (batch 1) gets
+consecutive blocks, which attention reads in place (``AttentionMetadata.contiguous_slots``).
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 from tpspec.engine.sequence import Request
 
@@ -11,7 +15,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: list[int] = list(range(num_blocks))  # a min-heap
 
     @property
     def num_free_blocks(self) -> int:
@@ -30,9 +34,10 @@ class BlockManager:
         if need > len(self.free_blocks):
             return False
         for _ in range(max(0, need)):
-            req.block_ids.append(self.free_blocks.popleft())
+            req.block_ids.append(heapq.heappop(self.free_blocks))
         return True
 
     def free(self, req: Request) -> None:
-        self.free_blocks.extend(reversed(req.block_ids))
+        for b in req.block_ids:
+            heapq.heappush(self.free_blocks, b)
         req.block_ids = []

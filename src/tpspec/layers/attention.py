@@ -105,6 +105,9 @@ class AttentionMetadata:
     # [num_tokens] where each token's output is in the groups' outputs concatenated; None: in token order
     output_order: torch.Tensor | None
     decode_only: bool  # every sequence feeds exactly one token: one group, no query padding
+    # (first slot, max_context) when the step has one sequence and its keys fill consecutive slots
+    # (consecutive blocks): attention reads them in place instead of gathering them; None otherwise
+    contiguous_slots: tuple[int, int] | None = None
     _head_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def head_rows(self, kv_heads: int, heads: tuple[int, ...]) -> torch.Tensor:
@@ -179,6 +182,11 @@ class AttentionMetadata:
                 bias[:, None, None].to(device), qpos.to(device),
             ))
             first = last
+        contiguous = None
+        if num_seqs == 1:
+            table = block_tables[0][: -(-max_ctx // block_size)]
+            if table == list(range(table[0], table[0] + len(table))):
+                contiguous = (table[0] * block_size, max_ctx)
         output_order = None
         if len(groups) > 1:
             rows = torch.cat([g.token_rows.cpu() for g in groups])  # [num_tokens] token of each concatenated output
@@ -191,6 +199,7 @@ class AttentionMetadata:
             groups=groups,
             output_order=output_order,
             decode_only=len(groups) == 1 and groups[0].decode,
+            contiguous_slots=contiguous,
         )
 
     @classmethod
@@ -211,7 +220,8 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``).
+    K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``),
+    except for a lone sequence in consecutive slots, read in place (``contiguous_slots``).
     Per ``QueryGroup``: decodes in float32 (float16 attends in float32) go through PyTorch's fused
     SDPA; everything else (prefill, k + 1 speculative queries, bfloat16) through two batched
     matmuls over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
@@ -235,8 +245,9 @@ class Attention(nn.Module):
         # groups, query heads are viewed as [kv_heads, group] and each KV head is gathered once; an
         # uneven head split (e.g. 9 heads over 2 ranks) gathers K/V per query head instead.
         group = num_heads // num_kv_heads
-        uniform_groups = num_heads % num_kv_heads == 0 and torch.equal(kv_head_of_head, torch.arange(num_heads) // group)
-        self.gathered_heads = tuple(range(num_kv_heads)) if uniform_groups else tuple(kv_head_of_head.tolist())
+        self.uniform_groups = num_heads % num_kv_heads == 0 and torch.equal(
+            kv_head_of_head, torch.arange(num_heads) // group)
+        self.gathered_heads = tuple(range(num_kv_heads)) if self.uniform_groups else tuple(kv_head_of_head.tolist())
 
     def context_rows(self, md: AttentionMetadata) -> torch.Tensor:
         """[num_seqs · len(gathered_heads) · max_context] rows of the cache that K/V are gathered from."""
@@ -259,10 +270,16 @@ class Attention(nn.Module):
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
         # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
-        shape = (num_seqs, len(self.gathered_heads), max_ctx, d)
-        rows = self.context_rows(md)
-        keys = k_cache.view(-1, d).index_select(0, rows).view(shape)
-        values = v_cache.view(-1, d).index_select(0, rows).view(shape)
+        if md.contiguous_slots is not None and self.uniform_groups and not torch.compiler.is_compiling():
+            # One sequence in consecutive slots: its keys in place, strided (a graph keeps the gather)
+            start, length = md.contiguous_slots
+            keys = k_cache[start : start + length].permute(1, 0, 2).unsqueeze(0)
+            values = v_cache[start : start + length].permute(1, 0, 2).unsqueeze(0)
+        else:
+            shape = (num_seqs, len(self.gathered_heads), max_ctx, d)
+            rows = self.context_rows(md)
+            keys = k_cache.view(-1, d).index_select(0, rows).view(shape)
+            values = v_cache.view(-1, d).index_select(0, rows).view(shape)
         q = q.to(compute)
         outs = []  # per group: [valid queries, num_heads · d]
         q_padded = None  # [num_tokens + 1, heads, d]: the step's queries and one zero query for padding
