@@ -74,7 +74,8 @@ def _python_or_reason(python: str | None, flag: str) -> tuple[str | None, str | 
 
 
 def engine_commands(args: argparse.Namespace, folder: str, gguf: str | None) -> tuple[dict, dict]:
-    """engine -> (command builder taking a port, interpreter, ready path); engine -> why skipped."""
+    """engine -> (tpspec: its extra flags, others: a command builder taking a port; the interpreter
+    that runs it; the path that answers 200 once it is ready), and engine -> why it is skipped."""
     commands, skipped = {}, {}
     threads = str(os.cpu_count() or 1)
     for flags in args.tpspec_configs:
@@ -87,6 +88,8 @@ def engine_commands(args: argparse.Namespace, folder: str, gguf: str | None) -> 
             lambda port: [transformers_cli, "serve", folder, "--continuous-batching", "--dtype", args.dtype,
                           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
             sys.executable, "/health")
+    # vLLM's CPU backend reserves --gpu-memory-utilization of the machine's memory (0.92 by default,
+    # refused when that much is not free); its KV cache is VLLM_CPU_KVCACHE_SPACE (run_engine).
     vllm, why = _python_or_reason(args.vllm_python, "--vllm-python")
     if vllm is None:
         skipped["vllm"] = why
@@ -112,7 +115,8 @@ def tpspec_name(flags: str) -> str:
     return " ".join(["tpspec", *shlex.split(flags)])
 
 
-def run_engine(engine: str, spec: tuple, args: argparse.Namespace, folder: str, log_dir: str, round_: int) -> list[dict]:
+def run_engine(engine: str, spec: tuple, args: argparse.Namespace, folder: str, log_dir: str,
+               round_: int) -> list[dict]:
     """Start ``engine``'s server, run each concurrency's workload against it, stop it."""
     build, _, ready_path = spec
     log = os.path.join(log_dir, f"engines.r{round_}.{'_'.join(engine.replace('-', '').split())}.server.log")
@@ -196,13 +200,15 @@ def main() -> None:
                    help="tpspec serve configurations as extra flags, e.g. '' '--quantization none' (the first is "
                         "the reference of the ratios)")
     p.add_argument("--vllm-python", default=None, help="the python of a virtual environment with vllm-cpu")
-    p.add_argument("--llamacpp-python", default=None, help="the python of a virtual environment with llama-cpp-python[server]")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="the python of a virtual environment with llama-cpp-python[server]")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency c (default: max(8, 2c))")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1, help="rounds over the engines, the order reversed every other round")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the engines, the order reversed every other round")
     p.add_argument("--server-timeout", type=float, default=900.0)
     p.add_argument("--result-file", default="engines.json")
     p.add_argument("--disable-tqdm", action="store_true")

@@ -199,13 +199,16 @@ def test_a_lone_sequence_gets_consecutive_blocks():
     from tpspec.engine.kv_cache import BlockManager
     from tpspec.engine.sequence import Request
 
+    def request(name: str) -> Request:
+        return Request(name, [1], SamplingParams(), seed=0, max_tokens=16, eos_token_ids=frozenset())
+
     manager = BlockManager(num_blocks=16, block_size=4)
-    first, second = (Request(name, [1], SamplingParams(), seed=0, max_tokens=16, eos_token_ids=frozenset()) for name in "ab")
+    first, second = request("a"), request("b")
     for n in range(1, 6):  # interleaved growth: a gets 0, 2, 4, ...; b gets 1, 3, 5, ...
         assert manager.allocate(first, 4 * n) and manager.allocate(second, 4 * n)
     manager.free(second)
     manager.free(first)
-    lone = Request("c", [1], SamplingParams(), seed=0, max_tokens=16, eos_token_ids=frozenset())
+    lone = request("c")
     for tokens in range(1, 33):
         assert manager.allocate(lone, tokens)
     assert lone.block_ids == list(range(8))

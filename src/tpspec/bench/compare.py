@@ -89,7 +89,7 @@ class ServerProcess:
             return False
 
     def start(self, timeout_s: float) -> str:
-        """Start the server and wait until ``/health`` answers 200; its base URL."""
+        """Start the server and wait until ``ready_path`` answers 200; its base URL."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self._log = open(self.log_path, "w", encoding="utf-8")
         cmd = self.command or [
