@@ -7,8 +7,8 @@ whole requests, prefill included; this isolates the per-token path (attention, m
 
   python3 benchmarks/bench_decode_steps.py --tp 2 --dtype bfloat16 --batch 32 --result-file decode_steps.json
 
-``--profile N`` runs the first N decode steps under ``torch.profiler`` (TP 1: this process's ops)
-and prints the ops that took the most time, self time first.
+``--profile N`` runs N decode steps, after 3 unprofiled ones, under ``torch.profiler`` (TP 1: this
+process's ops) and prints the ops that took the most time, self time first, by input shape.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--torch-compile", action="store_true", help="compiled decode steps (EngineConfig.torch_compile)")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_OPTIONS)
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="profile the first N decode steps")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="profile N decode steps (after 3)")
     p.add_argument("--result-file", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
     llm = LLM(tensor_parallel_size=args.tp, dtype=args.dtype, torch_compile=args.torch_compile,
@@ -47,10 +47,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            engine.step()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(args.profile):
                 engine.step()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=90))
     steps = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
