@@ -126,7 +126,7 @@ def write_tiny_dflash(folder: str, target_folder: str, seed: int = 0, scale: flo
 
     from tpspec.config import ModelArchConfig
     from tpspec.train.dflash_module import DFlashTrainModel
-    from tpspec.train.trainer import new_dflash_config
+    from tpspec.train.dflash_trainer import new_dflash_config
 
     torch.manual_seed(seed)
     cfg = new_dflash_config(ModelArchConfig.from_folder(target_folder), **TINY_DFLASH)

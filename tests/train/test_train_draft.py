@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tpspec.train.data import humaneval_signatures, stdlib_prompts, text_shards
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
-from tpspec.train.trainer import DFlashTrainer, build_blocks
+from tpspec.train.dflash_trainer import DFlashTrainer, build_blocks
 
 
 def test_stdlib_prompts_leave_humaneval_out():

@@ -25,7 +25,8 @@ from tpspec.models.registry import get_model_class
 from tpspec.train.data import feature_shards, generate_shards, stdlib_prompts, stdlib_sources, text_shards
 from tpspec.train.dflash_module import DFlashTrainModel
 from tpspec.train.recipe import DraftRecipe, TrainConfig
-from tpspec.train.trainer import DFlashTrainer, FeatureData, init_from_target, new_dflash_config
+from tpspec.train.dflash_trainer import DFlashTrainer, init_from_target, new_dflash_config
+from tpspec.train.trainer import FeatureData
 
 logger = logging.getLogger(__name__)
 
