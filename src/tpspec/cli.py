@@ -14,7 +14,7 @@ from tpspec.bench.server_options import ServerOptions
 from tpspec.distributed.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
-from tpspec.train.recipe import LOSS_VOCABS, DraftRecipe, TrainConfig
+from tpspec.train.recipe import LOSS_VOCABS, TRAIN_METHODS, DraftRecipe, TrainConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -164,6 +164,7 @@ def _train_draft(args: argparse.Namespace) -> int:
     from tpspec.train.train_draft import train_draft
 
     recipe = DraftRecipe(
+        method=args.method, draft_vocab_size=args.draft_vocab_size, chain_depth=args.chain_depth,
         num_layers=args.num_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
         init_from_target=not args.random_init, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
@@ -179,13 +180,18 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 def add_train_draft_parser(sub) -> None:
     r, c = DraftRecipe, TrainConfig  # the defaults
-    t = sub.add_parser("train-draft", help="train a DFlash drafter for a target by self-distillation (resumable)")
+    t = sub.add_parser("train-draft", help="train a drafter (DFlash or EAGLE-3) for a target by self-distillation (resumable)")
+    t.add_argument("--method", choices=TRAIN_METHODS, default=r.method)
     t.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
     t.add_argument("--work-dir", required=True, help="data, checkpoints and the learning curve; rerun to resume")
-    t.add_argument("--output", required=True, help="folder for the drafter in the public DFlash format")
-    t.add_argument("--num-layers", type=int, default=r.num_layers)
-    t.add_argument("--block-size", type=int, default=r.block_size)
-    t.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: 5 layers spread over the target")
+    t.add_argument("--output", required=True, help="folder for the drafter in the method's public format")
+    t.add_argument("--num-layers", type=int, default=r.num_layers, help="dflash: draft layers")
+    t.add_argument("--block-size", type=int, default=r.block_size, help="dflash: draft block (k + 1)")
+    t.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
+                   help="eagle3: the draft vocabulary (the tokens the target predicts most in the data)")
+    t.add_argument("--chain-depth", type=int, default=r.chain_depth, help="eagle3: chain steps trained per position")
+    t.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                   help="target layers read (output of layer L); default: dflash 5 spread over the target, eagle3 EAGLE-3's three")
     t.add_argument("--mask-token-id", type=int, default=None, help="default: the last id of the target's vocabulary")
     t.add_argument("--random-init", action="store_true", help="do not start the draft layers from the target's last layers")
     t.add_argument("--num-prompts", type=int, default=r.num_prompts, help="standard-library prompts whose continuations are generated")

@@ -17,19 +17,7 @@ from torch import nn
 
 from tpspec.models.dflash import DFlashConfig
 from tpspec.layers.rotary import RotaryEmbedding
-
-
-class _RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) · w, in float32 like the serving RMSNorm."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+from tpspec.train.dense_layers import GatedMLP, RMSNorm
 
 
 class _Attention(nn.Module):
@@ -41,8 +29,8 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, self.kv_heads * a.head_dim, bias=a.attention_bias)
         self.v_proj = nn.Linear(a.hidden_size, self.kv_heads * a.head_dim, bias=a.attention_bias)
         self.o_proj = nn.Linear(self.heads * a.head_dim, a.hidden_size, bias=a.attention_bias)
-        self.q_norm = _RMSNorm(a.head_dim, a.rms_norm_eps)
-        self.k_norm = _RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
     def forward(self, x, ctx, ctx_pos, block_pos, mask, rotary: RotaryEmbedding) -> torch.Tensor:
         """x: [B, Q, H] block; ctx: [B, T, H] context features; mask: [B, Q, T + Q] bool (True = attend)."""
@@ -60,26 +48,14 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * d))
 
 
-class _MLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        a = cfg.arch
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         a = cfg.arch
-        self.input_layernorm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = _Attention(cfg)
-        self.post_attention_layernorm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = _MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.arch)
 
     def forward(self, x, ctx, ctx_pos, block_pos, mask, rotary) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, ctx_pos, block_pos, mask, rotary)
@@ -92,9 +68,9 @@ class DFlashTrainModel(nn.Module):
         a = cfg.arch
         self.config = cfg
         self.fc = nn.Linear(len(cfg.target_layer_ids) * a.hidden_size, a.hidden_size, bias=False)
-        self.hidden_norm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.layers = nn.ModuleList([_Layer(cfg) for _ in range(a.num_hidden_layers)])
-        self.norm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
 
     def forward(

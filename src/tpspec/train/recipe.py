@@ -7,20 +7,36 @@ from dataclasses import dataclass
 
 
 LOSS_VOCABS = ("full", "labels")
+TRAIN_METHODS = ("dflash", "eagle3")
 
 
 @dataclass(frozen=True)
 class DraftRecipe:
+    method: str = "dflash"
+    # dflash: the draft layers and the target layers they read
     num_layers: int = 2
     target_layer_ids: tuple[int, ...] | None = None  # None: evenly spread over the target
     block_size: int = 16
     mask_token_id: int | None = None  # None: the last id of the target's vocabulary
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
+    # eagle3: the draft vocabulary and the chain steps trained per position (training-time test);
+    # the target layers read are EAGLE-3's default (2, N // 2, N − 3) unless target_layer_ids
+    # names them (tpspec convention: the output of layer L)
+    draft_vocab_size: int = 16384
+    chain_depth: int = 6
     num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
     max_tokens: int = 128  # continuation length per prompt
     text_tokens: int = 131_072  # real-text tokens (0: none)
     generation_dtype: str = "bfloat16"
     max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in TRAIN_METHODS:
+            raise ValueError(f"train-draft method must be one of {TRAIN_METHODS}, got {self.method!r}")
+        for name in ("num_layers", "block_size", "draft_vocab_size", "chain_depth", "max_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"draft recipe {name} must be a positive integer, got {v!r}")
 
 
 @dataclass(frozen=True)

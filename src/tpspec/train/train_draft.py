@@ -1,18 +1,20 @@
-"""``tpspec train-draft``: the whole recipe that produces a DFlash drafter for a target model.
+"""``tpspec train-draft``: the whole recipe that produces a drafter (DFlash or EAGLE-3) for a target.
 
 work_dir/
   generated/shard_*.pt        the target's greedy continuations of the training prompts
   features/shard_*.pt         target features, final hidden states and argmax labels on them
   text/, text_features/       real text (standard-library sources) and the same on it
   held_out_generated/, held_out_features/   the same for HumanEval (evaluation only)
+  draft_vocab.json            EAGLE-3: the draft vocabulary's held-out coverage by size
   checkpoint.pt, learning_curve.json         training state (resume from here)
-out_dir/                      the drafter in the public DFlash format (rewritten at each checkpoint)
+out_dir/                      the drafter in the method's public format (rewritten at each checkpoint)
 
 Every stage resumes where it stopped: re-running the same command continues the job.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -26,6 +28,8 @@ from tpspec.train.data import feature_shards, generate_shards, stdlib_prompts, s
 from tpspec.train.dflash_module import DFlashTrainModel
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.dflash_trainer import DFlashTrainer, init_from_target, new_dflash_config
+from tpspec.train.eagle3_module import Eagle3TrainModel, new_eagle3_config
+from tpspec.train.eagle3_trainer import Eagle3Trainer, choose_draft_vocab, draft_vocab_coverage
 from tpspec.train.trainer import FeatureData
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,21 @@ def _target_tensors(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_work_dir(work_dir: str, method: str, layer_ids: tuple[int, ...]) -> None:
+    """A work dir's features are one method's and one set of target layers': refuse another."""
+    os.makedirs(work_dir, exist_ok=True)
+    path = os.path.join(work_dir, "features.json")
+    want = {"method": method, "target_layer_ids": list(layer_ids)}
+    if os.path.exists(path):
+        with open(path) as f:
+            have = json.load(f)
+        if have != want:
+            raise ValueError(f"work dir {work_dir} holds features for {have}, not {want}: use another --work-dir")
+    else:
+        with open(path, "w") as f:
+            json.dump(want, f)
+
+
 def train_draft(
     work_dir: str,
     out_dir: str,
@@ -61,9 +80,15 @@ def train_draft(
     """Run (or resume) every stage; returns the last learning-curve point."""
     target_folder = resolve_model(model)
     arch = ModelArchConfig.from_folder(target_folder)
-    layer_ids = recipe.target_layer_ids or spread_layer_ids(arch.num_hidden_layers)
-    mask = recipe.mask_token_id if recipe.mask_token_id is not None else arch.vocab_size - 1
-    cfg = new_dflash_config(arch, recipe.num_layers, layer_ids, recipe.block_size, mask)
+    if recipe.method == "eagle3":
+        aux = None if recipe.target_layer_ids is None else tuple(i + 1 for i in recipe.target_layer_ids)
+        cfg = new_eagle3_config(arch, min(recipe.draft_vocab_size, arch.vocab_size), aux)
+        layer_ids = cfg.fc_layers(arch.num_hidden_layers)
+    else:
+        layer_ids = recipe.target_layer_ids or spread_layer_ids(arch.num_hidden_layers)
+        mask = recipe.mask_token_id if recipe.mask_token_id is not None else arch.vocab_size - 1
+        cfg = new_dflash_config(arch, recipe.num_layers, layer_ids, recipe.block_size, mask)
+    _check_work_dir(work_dir, recipe.method, layer_ids)
     if prompts is None:
         prompts = stdlib_prompts()
     if recipe.num_prompts is not None:
@@ -87,20 +112,30 @@ def train_draft(
         text_shards(folders["text"], stdlib_sources(), Tokenizer.from_pretrained(target_folder), max_tokens=recipe.text_tokens)
         feature_shards(folders["text"], folders["text_features"], target_folder, layer_ids)
         train_folders.append(folders["text_features"])
+    train_data, held_out = FeatureData.load(*train_folders), FeatureData.load(folders["held_out_features"])
+    logger.info("training on %d tokens in %d sequences", train_data.num_tokens(), len(train_data.seqs))
 
-    torch.manual_seed(train_cfg.seed)  # the draft's initial weights
-    draft = DFlashTrainModel(cfg)
-    state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight", "model.layers."])
+    state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers."])
     embed = state["model.embed_tokens.weight"]
     lm_head = state.get("lm_head.weight", embed)
+    torch.manual_seed(train_cfg.seed)  # the draft's initial weights
+    if recipe.method == "eagle3":
+        target_ids = choose_draft_vocab(train_data, arch.vocab_size, cfg.draft_vocab_size)
+        sizes = sorted({2**i for i in range(11, 17) if 2**i < arch.vocab_size} | {cfg.draft_vocab_size, arch.vocab_size})
+        with open(os.path.join(work_dir, "draft_vocab.json"), "w") as f:
+            json.dump({"held_out_coverage": draft_vocab_coverage(train_data, held_out, arch.vocab_size, sizes)}, f, indent=1)
+        head = Eagle3TrainModel(cfg, arch.num_hidden_layers, target_ids)
+        with torch.no_grad():  # the draft LM head starts as the target's rows, its final norm as the target's
+            head.lm_head.weight.copy_(lm_head[target_ids].float())
+            head.norm.weight.copy_(state["model.norm.weight"].float() + get_model_class(arch.architecture).norm_weight_offset)
+        trainer = Eagle3Trainer(head, embed, train_data, held_out, train_cfg, work_dir, recipe.chain_depth)
+        return trainer.run(export_dir=out_dir)
+    draft = DFlashTrainModel(cfg)
     if recipe.init_from_target:
         n = arch.num_hidden_layers
         init_from_target(draft, state, arch, list(range(n - recipe.num_layers, n)))
     trainer = DFlashTrainer(
         draft, embed.float() * get_model_class(arch.architecture).embed_multiplier(arch), lm_head,
-        FeatureData.load(*train_folders),
-        FeatureData.load(folders["held_out_features"]),
-        train_cfg, work_dir, logit_soft_cap=arch.final_logit_softcapping,
+        train_data, held_out, train_cfg, work_dir, logit_soft_cap=arch.final_logit_softcapping,
     )
-    logger.info("training on %d tokens in %d sequences", trainer.train_data.num_tokens(), len(trainer.train_data.seqs))
     return trainer.run(export_dir=out_dir)
