@@ -14,7 +14,7 @@ from tpspec.bench.server_options import ServerOptions
 from tpspec.distributed.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
-from tpspec.train.recipe import LOSS_VOCABS, TRAIN_METHODS, DraftRecipe, TrainConfig
+from tpspec.train.recipe import AUTOCAST_OPTIONS, FEATURE_DTYPES, LOSS_VOCABS, TRAIN_METHODS, DraftRecipe, TrainConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -168,11 +168,11 @@ def _train_draft(args: argparse.Namespace) -> int:
         num_layers=args.num_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
         init_from_target=not args.random_init, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-        text_tokens=args.text_tokens,
+        text_tokens=args.text_tokens, feature_dtype=args.feature_dtype,
     )
     cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
                       lr=args.lr, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, seed=args.seed,
-                      loss_vocab=args.loss_vocab)
+                      loss_vocab=args.loss_vocab, warmup_steps=args.warmup_steps, autocast=args.autocast)
     last = train_draft(args.work_dir, args.output, args.model, recipe, cfg)
     sys.stdout.write(json.dumps(last, indent=2) + "\n")
     return 0
@@ -197,10 +197,15 @@ def add_train_draft_parser(sub) -> None:
     t.add_argument("--num-prompts", type=int, default=r.num_prompts, help="standard-library prompts whose continuations are generated")
     t.add_argument("--max-tokens", type=int, default=r.max_tokens, help="continuation length per prompt")
     t.add_argument("--text-tokens", type=int, default=r.text_tokens, help="standard-library source tokens used as real text")
+    t.add_argument("--feature-dtype", choices=FEATURE_DTYPES, default=r.feature_dtype,
+                   help="dtype of the target forward that makes the features and labels")
     t.add_argument("--steps", type=int, default=c.steps)
     t.add_argument("--seqs-per-step", type=int, default=c.seqs_per_step)
     t.add_argument("--anchors-per-seq", type=int, default=c.anchors_per_seq)
     t.add_argument("--lr", type=float, default=c.lr)
+    t.add_argument("--warmup-steps", type=int, default=c.warmup_steps)
+    t.add_argument("--autocast", choices=AUTOCAST_OPTIONS, default=c.autocast,
+                   help="training matrix products in bfloat16 (auto: where the CPU has native bfloat16)")
     t.add_argument("--loss-vocab", choices=LOSS_VOCABS, default=c.loss_vocab,
                    help="the loss's softmax over the full vocabulary or over the tokens the target predicts in the data")
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)

@@ -97,7 +97,7 @@ def test_chain_labels_follow_the_greedy_chain():
 
 def test_the_draft_vocabulary_is_the_most_predicted_tokens():
     shard = {"tokens": torch.zeros(6, dtype=torch.int32), "seq_lens": torch.tensor([6]), "prompt_lens": torch.tensor([0]),
-             "features": torch.zeros(6, 2), "final_hidden": torch.zeros(6, 2),
+             "features": torch.zeros(6, 2),
              "argmax": torch.tensor([7, 3, 7, 3, 7, 9], dtype=torch.int32)}
     assert choose_draft_vocab(FeatureData([shard]), 10, 2).tolist() == [3, 7]
 

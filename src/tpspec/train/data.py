@@ -7,8 +7,8 @@ Stages, each resumable (a stage writes numbered shard files atomically and skips
    HumanEval stays held out.
 2. ``generate_shards``: the target's greedy continuations of those prompts (tpspec's own engine).
 3. ``feature_shards``: one target forward over each prompt + continuation, keeping the hidden
-   states at the drafter's ``target_layer_ids``, the final-norm hidden states and the target's
-   argmax prediction at every position (the labels: what the target would emit next).
+   states at the drafter's ``target_layer_ids`` and the target's argmax prediction at every
+   position (the labels: what the target would emit next).
 """
 
 from __future__ import annotations
@@ -164,9 +164,10 @@ def generate_shards(
 
 
 def feature_shards(
-    gen_folder: str, folder: str, model_folder: str, target_layer_ids: tuple[int, ...], batch_tokens: int = 4096
+    gen_folder: str, folder: str, model_folder: str, target_layer_ids: tuple[int, ...], batch_tokens: int = 4096,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Per generated shard: tokens, the target's features/final hidden states (bfloat16) and argmax."""
+    """Per generated shard: tokens, the target's features (bfloat16) and argmax."""
     from tpspec.train.target_features import TargetFeatureExtractor
 
     os.makedirs(folder, exist_ok=True)
@@ -174,21 +175,20 @@ def feature_shards(
     todo = [f for f in gen if not os.path.exists(os.path.join(folder, f))]
     if not todo:
         return
-    extractor = TargetFeatureExtractor(model_folder, target_layer_ids)
+    extractor = TargetFeatureExtractor(model_folder, target_layer_ids, dtype)
     for name in tqdm(todo, desc="target features (shards)"):
         shard = torch.load(os.path.join(gen_folder, name))
         seqs = [p + o for p, o in zip(shard["prompt_ids"], shard["output_ids"]) if o]
         prompt_lens = [len(p) for p, o in zip(shard["prompt_ids"], shard["output_ids"]) if o]
-        feats, finals, preds = [], [], []
+        feats, preds = [], []
         batch: list[list[int]] = []
         for seq in seqs + [None]:
             if seq is not None and sum(map(len, batch)) + len(seq) <= batch_tokens:
                 batch.append(seq)
                 continue
             if batch:
-                f, h, p = extractor(batch)
+                f, p = extractor(batch)
                 feats.append(f.to(torch.bfloat16))
-                finals.append(h.to(torch.bfloat16))
                 preds.append(p.to(torch.int32))
             batch = [seq] if seq is not None else []
         _save_atomic(
@@ -197,7 +197,6 @@ def feature_shards(
                 "seq_lens": torch.tensor([len(s) for s in seqs], dtype=torch.int64),  # [num_seqs]
                 "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),  # [num_seqs]
                 "features": torch.cat(feats),  # [num_tokens, n·hidden_size] bfloat16
-                "final_hidden": torch.cat(finals),  # [num_tokens, hidden_size] bfloat16
                 "argmax": torch.cat(preds),  # [num_tokens] int32: the target's prediction of the next token
             },
             os.path.join(folder, name),

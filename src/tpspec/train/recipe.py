@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 LOSS_VOCABS = ("full", "labels")
 TRAIN_METHODS = ("dflash", "eagle3")
+# "auto": bfloat16 where the CPU multiplies it natively (cpu_features.BFLOAT16_ISA; 2.5x a float32
+# EAGLE-3 step on AVX512-BF16, benchmarks/README.md), else none (float32 throughout)
+AUTOCAST_OPTIONS = ("auto", "bfloat16", "none")
+FEATURE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -28,11 +32,16 @@ class DraftRecipe:
     max_tokens: int = 128  # continuation length per prompt
     text_tokens: int = 131_072  # real-text tokens (0: none)
     generation_dtype: str = "bfloat16"
+    # the target forward that makes features and labels (float16: 1.5x float32 on AVX-512 with
+    # 99.8 % of argmax labels equal; bfloat16 2x with 98.3 %; benchmarks/README.md)
+    feature_dtype: str = "float32"
     max_num_seqs: int = 64
 
     def __post_init__(self) -> None:
         if self.method not in TRAIN_METHODS:
             raise ValueError(f"train-draft method must be one of {TRAIN_METHODS}, got {self.method!r}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"draft recipe feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
         for name in ("num_layers", "block_size", "draft_vocab_size", "chain_depth", "max_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -52,6 +61,7 @@ class TrainConfig:
     # predicts somewhere in the training data (every label is one; far cheaper at a large vocabulary;
     # held-out acceptance is always scored over the full vocabulary).
     loss_vocab: str = "full"
+    autocast: str = "auto"  # the training forward and backward's matrix products (AUTOCAST_OPTIONS)
     grad_clip: float = 1.0
     checkpoint_every: int = 100
     eval_every: int = 250
@@ -64,5 +74,7 @@ class TrainConfig:
                 raise ValueError(f"train config {name} must be a positive integer, got {v!r}")
         if self.loss_vocab not in LOSS_VOCABS:
             raise ValueError(f"train config loss_vocab must be one of {LOSS_VOCABS}, got {self.loss_vocab!r}")
+        if self.autocast not in AUTOCAST_OPTIONS:
+            raise ValueError(f"train config autocast must be one of {AUTOCAST_OPTIONS}, got {self.autocast!r}")
         if not self.lr > 0:
             raise ValueError(f"train config lr must be > 0, got {self.lr!r}")

@@ -24,9 +24,9 @@ class TargetFeatureExtractor:
         self.dtype = dtype
 
     @torch.inference_mode()
-    def __call__(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns features [N, n·H] (outputs of ``target_layer_ids``, concatenated), final-norm
-        hidden states [N, H] and the argmax prediction of the next token [N], N = all tokens."""
+    def __call__(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns features [N, n·H] (outputs of ``target_layer_ids``, concatenated) and the argmax
+        prediction of the next token [N], N = all tokens."""
         lens = [len(s) for s in seqs]
         tables, next_block = [], 0
         for n in lens:
@@ -40,4 +40,4 @@ class TargetFeatureExtractor:
         hidden, captured = self.model(ids, pos, kv, md, self.layers)
         features = torch.cat([captured[layer] for layer in self.layers], dim=-1)
         preds = torch.cat([self.model.compute_logits(h).argmax(-1) for h in hidden.split(1024)])
-        return features, hidden, preds
+        return features, preds

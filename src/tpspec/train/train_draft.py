@@ -53,11 +53,11 @@ def _target_tensors(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_work_dir(work_dir: str, method: str, layer_ids: tuple[int, ...]) -> None:
-    """A work dir's features are one method's and one set of target layers': refuse another."""
+def _check_work_dir(work_dir: str, method: str, layer_ids: tuple[int, ...], feature_dtype: str) -> None:
+    """A work dir's features are one method's, from one set of target layers in one dtype: refuse another."""
     os.makedirs(work_dir, exist_ok=True)
     path = os.path.join(work_dir, "features.json")
-    want = {"method": method, "target_layer_ids": list(layer_ids)}
+    want = {"method": method, "target_layer_ids": list(layer_ids), "feature_dtype": feature_dtype}
     if os.path.exists(path):
         with open(path) as f:
             have = json.load(f)
@@ -88,7 +88,7 @@ def train_draft(
         layer_ids = recipe.target_layer_ids or spread_layer_ids(arch.num_hidden_layers)
         mask = recipe.mask_token_id if recipe.mask_token_id is not None else arch.vocab_size - 1
         cfg = new_dflash_config(arch, recipe.num_layers, layer_ids, recipe.block_size, mask)
-    _check_work_dir(work_dir, recipe.method, layer_ids)
+    _check_work_dir(work_dir, recipe.method, layer_ids, recipe.feature_dtype)
     if prompts is None:
         prompts = stdlib_prompts()
     if recipe.num_prompts is not None:
@@ -99,18 +99,19 @@ def train_draft(
         held_out_prompts = humaneval_prompts()
     engine = dict(model=target_folder, dtype=recipe.generation_dtype, max_num_seqs=recipe.max_num_seqs,
                   max_num_batched_tokens=4096, kv_cache_memory_gb=2.0)
+    feature_dtype = getattr(torch, recipe.feature_dtype)
     folders = {name: os.path.join(work_dir, name) for name in
                ("held_out_generated", "held_out_features", "generated", "features", "text", "text_features")}
     generate_shards(folders["held_out_generated"], held_out_prompts, max_tokens=recipe.max_tokens, engine_args=engine)
-    feature_shards(folders["held_out_generated"], folders["held_out_features"], target_folder, layer_ids)
+    feature_shards(folders["held_out_generated"], folders["held_out_features"], target_folder, layer_ids, dtype=feature_dtype)
     generate_shards(folders["generated"], prompts, max_tokens=recipe.max_tokens, engine_args=engine)
-    feature_shards(folders["generated"], folders["features"], target_folder, layer_ids)
+    feature_shards(folders["generated"], folders["features"], target_folder, layer_ids, dtype=feature_dtype)
     train_folders = [folders["features"]]
     if recipe.text_tokens:
         from tpspec.tokenizer import Tokenizer
 
         text_shards(folders["text"], stdlib_sources(), Tokenizer.from_pretrained(target_folder), max_tokens=recipe.text_tokens)
-        feature_shards(folders["text"], folders["text_features"], target_folder, layer_ids)
+        feature_shards(folders["text"], folders["text_features"], target_folder, layer_ids, dtype=feature_dtype)
         train_folders.append(folders["text_features"])
     train_data, held_out = FeatureData.load(*train_folders), FeatureData.load(folders["held_out_features"])
     logger.info("training on %d tokens in %d sequences", train_data.num_tokens(), len(train_data.seqs))

@@ -8,6 +8,7 @@ A method subclasses ``DraftTrainer`` with ``batch_loss`` (one batch's loss) and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -57,6 +58,15 @@ class FeatureData:
         return shard["tokens"][sl].long(), shard["features"][sl], shard["argmax"][sl].long(), p
 
 
+def resolve_autocast(option: str) -> torch.dtype | None:
+    """``TrainConfig.autocast`` -> the autocast dtype of the training step, None for float32."""
+    if option == "auto":
+        from tpspec.cpu_features import BFLOAT16_ISA, cpu_model_and_isa
+
+        option = "bfloat16" if any(f in cpu_model_and_isa()[1] for f in BFLOAT16_ISA) else "none"
+    return torch.bfloat16 if option == "bfloat16" else None
+
+
 class DraftTrainer:
     name = "drafter"  # for the progress bar
 
@@ -71,6 +81,7 @@ class DraftTrainer:
         self.loss_avg: float | None = None  # running mean of the training loss
         self.curve: list[dict] = []
         self.rng = random.Random(cfg.seed)
+        self.autocast = resolve_autocast(cfg.autocast)
 
     # ---- what a method defines ---------------------------------------------------------------
     def batch_loss(self) -> tuple[torch.Tensor, int]:
@@ -121,7 +132,8 @@ class DraftTrainer:
 
     def train_step(self) -> float:
         self.model.train()
-        loss, tokens = self.batch_loss()
+        with contextlib.nullcontext() if self.autocast is None else torch.autocast("cpu", dtype=self.autocast):
+            loss, tokens = self.batch_loss()
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
         self.opt.zero_grad(set_to_none=True)
