@@ -1,5 +1,5 @@
 """Speculation length on held-out HumanEval: plain decoding, fixed k and the adaptive controller,
-per method, concurrency and TP size (default model, greedy, 128 tokens).
+per method, concurrency and TP size (default model, greedy unless ``--temperature``, 128 tokens).
 
 Every configuration runs in its own process, started once (one at a time, so that no start-up
 profile is measured beside another process's work) and kept alive: the coordinator then hands
@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, 3c))")
     p.add_argument("--segment-prompts", type=int, default=None, help="prompts per segment (default c)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (above 0 no run's tokens can be compared with plain decoding's)")
     p.add_argument("--first-prompt", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="passes over each level's prompts")
     p.add_argument("--result-file", default=None)
@@ -120,6 +122,8 @@ def spec_delta(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
     d["k_histogram"] = [a - b for a, b in zip(after["num_speculative_tokens_histogram"],
                                               before["num_speculative_tokens_histogram"])]
+    old = before["num_accepted_tokens_per_pos"]
+    d["accepted_per_pos"] = [a - (old[i] if i < len(old) else 0) for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
     return d
 
 
@@ -134,7 +138,7 @@ def worker(args) -> None:
     specs = json.loads(args.worker)
     n = max(num_prompts(args, c) for c in args.concurrency)
     prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
     engines = {}
     try:
         for name, spec in specs.items():
@@ -161,7 +165,7 @@ class Process:
     def __init__(self, args, specs: dict[str, dict | None]):
         self.names = ", ".join(specs)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(specs), "--tp", str(args.tp),
-               "--max-tokens", str(args.max_tokens), "--first-prompt", str(args.first_prompt),
+               "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--first-prompt", str(args.first_prompt),
                "--concurrency", *map(str, args.concurrency)]
         if args.num_prompts:
             cmd += ["--num-prompts", str(args.num_prompts)]
@@ -226,20 +230,20 @@ def main(argv=None) -> int:
                     logger.info("c=%d, prompts %d-%d: %s", c, start, min(n, start + size) - 1, ", ".join(
                         f"{name} {sum(map(len, r['tokens'])) / r['wall_s']:.1f}" for name, r in seg.items()))
                 if args.result_file:  # after every pass: a run cut short keeps what it measured
-                    save(args, machine, todo, summarize(segments, todo))
+                    save(args, machine, todo, summarize(segments, todo, args.temperature == 0))
     finally:
         for p in processes:
             p.close()
-    results = summarize(segments, todo)
+    results = summarize(segments, todo, args.temperature == 0)
     if args.result_file:
         save(args, machine, todo, results)
     print(format_table(results, args.tp))
     return 0
 
 
-def summarize(segments: list[tuple[dict, int]], todo: dict) -> list[dict]:
+def summarize(segments: list[tuple[dict, int]], todo: dict, greedy: bool = True) -> list[dict]:
     """Per configuration and concurrency: the figures over all its segments, and the ratios to
-    plain decoding overall and per segment."""
+    plain decoding overall and per segment; ``greedy``: whether tokens can be compared with plain's."""
     out = []
     for c in dict.fromkeys(c for _, c in segments):
         segs = [s for s, sc in segments if sc == c]
@@ -256,13 +260,18 @@ def summarize(segments: list[tuple[dict, int]], todo: dict) -> list[dict]:
             if "num_drafts" in runs[0]:
                 d = {k: sum(r[k] for r in runs) for k in SPEC_COUNTERS}
                 hist = [sum(col) for col in zip(*(r["k_histogram"] for r in runs))]
+                per_pos = [sum(r["accepted_per_pos"][i] for r in runs if i < len(r["accepted_per_pos"]))
+                           for i in range(max(len(r["accepted_per_pos"]) for r in runs))]
                 res.update(
+                    # the share of drafting steps whose draft i + 1 was accepted
+                    position_acceptance=[a / d["num_drafts"] for a in per_pos] if d["num_drafts"] else None,
                     acceptance_length=1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
                     acceptance_rate=d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
                     mean_k=sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
                     k_histogram=hist,
                 )
-            res["greedy_equal_to_plain"] = sum(a == b for s in segs for a, b in zip(s[name]["tokens"], s["plain"]["tokens"]))
+            res["greedy_equal_to_plain"] = (None if greedy is False else
+                                            sum(a == b for s in segs for a, b in zip(s[name]["tokens"], s["plain"]["tokens"])))
             res["num_requests"] = sum(len(r["tokens"]) for r in runs)
             out.append(res)
         base = next(r for r in out if r["config"] == "plain" and r["concurrency"] == c)
@@ -278,7 +287,7 @@ def summarize(segments: list[tuple[dict, int]], todo: dict) -> list[dict]:
 def save(args, machine: dict, todo: dict, results: list[dict]) -> None:
     with open(args.result_file, "w") as f:
         json.dump({"machine": machine, "tp": args.tp, "one_process": args.one_process,
-                   "max_tokens": args.max_tokens, "repeats": args.repeats,
+                   "max_tokens": args.max_tokens, "temperature": args.temperature, "repeats": args.repeats,
                    "segment_prompts": args.segment_prompts, "configs": todo,
                    "prompts": f"HumanEval from index {args.first_prompt}", "results": results}, f, indent=1)
 
@@ -305,7 +314,7 @@ def format_table(results: list[dict], tp: int) -> str:
             f"| {r['config']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['throughput_vs_plain']:.2f} "
             f"| {_median_range(r['segment_throughput_vs_plain'], '.2f')} | {r['mean_tpot_ms']:.1f} "
             f"| {r['tpot_speedup_vs_plain']:.2f} | {r['step_cost_vs_plain']:.2f} | {_f(r.get('acceptance_length'), '.2f')} "
-            f"| {_f(r.get('mean_k'), '.2f')} | {r['greedy_equal_to_plain']}/{r['num_requests']} |"
+            f"| {_f(r.get('mean_k'), '.2f')} | {_f(r['greedy_equal_to_plain'], 'd')}/{r['num_requests']} |"
         )
     return "\n".join(lines)
 

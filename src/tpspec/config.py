@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpspec.spec_decode.shipped import METHOD_ALIASES, SHIPPED_DRAFTERS
+
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_DTYPES = ("auto", *MODEL_DTYPES)  # "auto": resolve_dtype picks one for the device
 SAMPLING_MODES = ("gathered", "vocab-parallel")
@@ -237,8 +239,8 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("draft_model", "ngram", "dflash", "eagle3", "eagle")
-# Methods whose model may be omitted: dflash falls back to the drafter shipped for the default model.
-SHIPPED_DRAFTER_METHODS = ("dflash",)
+# Methods whose model may be omitted: they fall back to the drafter shipped for the target.
+SHIPPED_DRAFTER_METHODS = (*SHIPPED_DRAFTERS, *METHOD_ALIASES)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 

@@ -101,11 +101,17 @@ def test_llm_validates_speculative_config_before_loading(tiny_llama):
         LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"})
 
 
-def test_dflash_without_a_model_needs_a_target_tpspec_ships_a_drafter_for(tiny_llama):
-    """Only the default model and the packaged Gemma 3 have shipped drafters; any other target
-    must name one, and the message says which targets do not need to."""
-    with pytest.raises(ValueError, match=r"speculative_config.model is required .*gemma-3-270m"):
+def test_a_drafter_without_a_model_needs_a_target_tpspec_ships_one_for(tiny_llama):
+    """Only the default model and the packaged Gemma 3 have shipped DFlash drafters, only the
+    default model an EAGLE-3 head; any other target must name one, and the message says which
+    targets do not need to. Methods without shipped drafters always need one."""
+    with pytest.raises(ValueError, match=r"speculative_config.model is required .*the default model or --model gemma-3-270m$"):
         LLM(tiny_llama, speculative_config={"method": "dflash", "num_speculative_tokens": 3})
+    for method in ("eagle3", "eagle"):
+        with pytest.raises(ValueError, match=rf"required for method '{method}' .*drafter for: the default model$"):
+            LLM(tiny_llama, speculative_config={"method": method, "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"speculative_config.model is required for method 'draft_model'"):
+        LLM(tiny_llama, speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
 
 
 @pytest.mark.parametrize("tp,draft_tp", [(1, 2), (2, 3), (2, 4)])

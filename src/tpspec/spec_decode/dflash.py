@@ -14,7 +14,6 @@ class, which is where ``use_local_argmax_reduction`` pays most.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,19 +23,6 @@ from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.dflash import DFlashConfig, DFlashDraftModel
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput, sampling_rows
-
-# The drafters trained with ``tpspec train-draft`` and shipped in ``tpspec/drafters``, used when a
-# dflash config names no ``model``: keyed by the target as given to ``--model`` (None: the default).
-SHIPPED_DFLASH_DRAFTERS = {None: "smollm2-135m-dflash", "gemma-3-270m": "gemma-3-270m-dflash"}
-
-
-def shipped_dflash_drafter(target: str | None) -> str:
-    """The folder of the drafter shipped for ``target`` (a key of ``SHIPPED_DFLASH_DRAFTERS``)."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", SHIPPED_DFLASH_DRAFTERS[target])
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        raise FileNotFoundError(f"the shipped DFlash drafter is missing from {folder}")
-    return folder
-
 
 # Context tokens a sequence that proposes nothing may leave unwritten (the features wait on the
 # rank, 4 · capture layers · hidden size bytes each); past this they are written anyway.

@@ -29,18 +29,19 @@ def resolve_drafter(
     picks the shipped drafter; a path to the default model picks the default's."""
     if spec.method == "ngram":
         return spec, None
-    if spec.model is None:  # only dflash may omit it (SpeculativeConfig checks)
-        from tpspec.spec_decode.dflash import SHIPPED_DFLASH_DRAFTERS, shipped_dflash_drafter
+    if spec.model is None:  # only a method with shipped drafters may omit it (SpeculativeConfig checks)
+        from tpspec.spec_decode.shipped import shipped_drafter, shipped_targets
 
-        if target_name not in SHIPPED_DFLASH_DRAFTERS and _is_default_model(target_folder):
+        shipped = shipped_targets(spec.method)
+        if target_name not in shipped and _is_default_model(target_folder):
             target_name = None
-        if target_name not in SHIPPED_DFLASH_DRAFTERS:
+        if target_name not in shipped:
+            others = [f"--model {name}" for name in shipped if name is not None]
             raise ValueError(
-                "speculative_config.model is required for method 'dflash' unless the target is one that tpspec "
-                "ships a DFlash drafter for: the default model or --model "
-                + ", ".join(name for name in SHIPPED_DFLASH_DRAFTERS if name is not None)
+                f"speculative_config.model is required for method {spec.method!r} unless the target is one that "
+                f"tpspec ships a {spec.method} drafter for: " + " or ".join(["the default model"] + others)
             )
-        spec = dataclasses.replace(spec, model=shipped_dflash_drafter(target_name))
+        spec = dataclasses.replace(spec, model=shipped_drafter(spec.method, target_name))
     else:
         spec = dataclasses.replace(spec, model=resolve_model(spec.model))
     if spec.method == "dflash":

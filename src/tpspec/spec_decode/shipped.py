@@ -1,0 +1,26 @@
+"""The drafters trained with ``tpspec train-draft`` and shipped in ``tpspec/drafters``, used when a
+speculative config names no ``model``: by method, then by the target as given to ``--model``
+(None: the default model). No torch here: the config's checks read it."""
+
+from __future__ import annotations
+
+import os
+
+SHIPPED_DRAFTERS = {
+    "dflash": {None: "smollm2-135m-dflash", "gemma-3-270m": "gemma-3-270m-dflash"},
+    "eagle3": {None: "smollm2-135m-eagle3"},
+}
+METHOD_ALIASES = {"eagle": "eagle3"}
+
+
+def shipped_targets(method: str) -> dict[str | None, str]:
+    """The targets tpspec ships a drafter of ``method`` (or its alias) for -> the drafter's folder name."""
+    return SHIPPED_DRAFTERS.get(METHOD_ALIASES.get(method, method), {})
+
+
+def shipped_drafter(method: str, target: str | None) -> str:
+    """The folder of the ``method`` drafter shipped for ``target`` (a key of ``shipped_targets``)."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", shipped_targets(method)[target])
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        raise FileNotFoundError(f"the shipped {method} drafter is missing from {folder}")
+    return folder
