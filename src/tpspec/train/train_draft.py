@@ -2,7 +2,7 @@
 
 work_dir/
   generated/shard_*.pt        the target's greedy continuations of the training prompts
-  features/shard_*.pt         target features, final hidden states and argmax labels on them
+  features/shard_*.pt         target features and argmax labels on them
   text/, text_features/       real text (standard-library sources) and the same on it
   held_out_generated/, held_out_features/   the same for HumanEval (evaluation only)
   draft_vocab.json            EAGLE-3: the draft vocabulary's held-out coverage by size
