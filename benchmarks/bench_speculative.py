@@ -270,7 +270,7 @@ def summarize(segments: list[tuple[dict, int]], todo: dict, greedy: bool = True)
                     mean_k=sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
                     k_histogram=hist,
                 )
-            res["greedy_equal_to_plain"] = (None if greedy is False else
+            res["greedy_equal_to_plain"] = (None if not greedy else
                                             sum(a == b for s in segs for a, b in zip(s[name]["tokens"], s["plain"]["tokens"])))
             res["num_requests"] = sum(len(r["tokens"]) for r in runs)
             out.append(res)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tests.models.test_eagle3 import _captured, _engine_config, _target
+from tests.train.cut_run import uncut_and_resumed
 from tpspec.config import ModelArchConfig
 from tpspec.spec_decode.eagle import Eagle3Proposer
 from tpspec.spec_decode.speculator import DraftInput
@@ -21,7 +22,7 @@ from tpspec.train.eagle3_module import Eagle3TrainModel, new_eagle3_config
 from tpspec.train.eagle3_trainer import Eagle3Trainer, build_chain_batch, choose_draft_vocab
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
-from tpspec.train.trainer import DraftTrainer, FeatureData
+from tpspec.train.trainer import FeatureData
 
 LAYERS = (1, 0, 1)  # tpspec layer ids (outputs of layers 1, 0, 1): the tiny target has 3 layers
 K = 4
@@ -109,22 +110,9 @@ CFG = TrainConfig(steps=24, seqs_per_step=2, lr=3e-3, warmup_steps=4, checkpoint
 
 
 def test_training_cut_at_any_moment_resumes_exactly(tiny_llama, tmp_path, monkeypatch):
-    uncut = train_draft(str(tmp_path / "a"), str(tmp_path / "a-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+    uncut, resumed, a, b = uncut_and_resumed(tmp_path, monkeypatch, tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
     assert uncut["step"] == CFG.steps
-    step = DraftTrainer.train_step
-
-    def dying(self):
-        if self.step == 13:
-            raise KeyboardInterrupt
-        return step(self)
-
-    monkeypatch.setattr(DraftTrainer, "train_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        train_draft(str(tmp_path / "b"), str(tmp_path / "b-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
-    monkeypatch.setattr(DraftTrainer, "train_step", step)
-    resumed = train_draft(str(tmp_path / "b"), str(tmp_path / "b-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
     assert resumed == {**uncut, "elapsed_s": resumed["elapsed_s"]}
-    a, b = load_file(str(tmp_path / "a-out" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with open(tmp_path / "a-out" / "config.json") as f:
         assert json.load(f)["eagle_aux_hidden_state_layer_ids"] == [2, 1, 2]

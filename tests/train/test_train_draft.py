@@ -5,17 +5,15 @@ drafter trains on the inputs and logits the serving engine gives it."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.train.cut_run import uncut_and_resumed
 from tpspec.train.data import humaneval_signatures, stdlib_prompts, text_shards
+from tpspec.train.dflash_trainer import DFlashTrainer, build_blocks
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
-from tpspec.train.dflash_trainer import DFlashTrainer, build_blocks
 
 
 def test_stdlib_prompts_leave_humaneval_out():
@@ -73,26 +71,10 @@ CFG = TrainConfig(steps=24, seqs_per_step=2, anchors_per_seq=8, lr=3e-3, warmup_
 
 
 def test_training_cut_at_any_moment_resumes_exactly(tiny_llama, tmp_path, monkeypatch):
-    uncut = train_draft(str(tmp_path / "a"), str(tmp_path / "a-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
-    assert uncut["step"] == CFG.steps
     # Same data, then a run killed between checkpoints (at step 13; the last checkpoint is 10).
-    os.makedirs(tmp_path / "b")
-    for name in ("generated", "features", "held_out_generated", "held_out_features"):
-        shutil.copytree(tmp_path / "a" / name, tmp_path / "b" / name)
-    step = DFlashTrainer.train_step
-
-    def dying(self):
-        if self.step == 13:
-            raise KeyboardInterrupt
-        return step(self)
-
-    monkeypatch.setattr(DFlashTrainer, "train_step", dying)
-    with pytest.raises(KeyboardInterrupt):
-        train_draft(str(tmp_path / "b"), str(tmp_path / "b-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
-    monkeypatch.setattr(DFlashTrainer, "train_step", step)
-    resumed = train_draft(str(tmp_path / "b"), str(tmp_path / "b-out"), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+    uncut, resumed, a, b = uncut_and_resumed(tmp_path, monkeypatch, tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+    assert uncut["step"] == CFG.steps
     assert resumed == {**uncut, "elapsed_s": resumed["elapsed_s"]}
-    a, b = load_file(str(tmp_path / "a-out" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "fc.weight" in a and "layers.0.self_attn.q_norm.weight" in a  # the public DFlash layout
 

@@ -3,11 +3,23 @@ math and parameter names (so a ``state_dict`` is the public checkpoint's)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpspec.config import ModelArchConfig
+
+
+def plain_draft_arch(target: ModelArchConfig, architecture: str, num_layers: int) -> ModelArchConfig:
+    """The target's shape without its own style, for ``num_layers`` draft layers: SiLU, full
+    attention, one RoPE base, no query scalar or logit soft cap, untied embeddings."""
+    return dataclasses.replace(
+        target, architecture=architecture, num_hidden_layers=num_layers, tie_word_embeddings=False,
+        layer_types=None, sliding_window=None, rope_local_theta=None, query_pre_attn_scalar=None,
+        final_logit_softcapping=None, hidden_activation="silu",
+    )
 
 
 class RMSNorm(nn.Module):

@@ -14,8 +14,6 @@ the target's predictions (bonus token included), averaged over anchors.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +21,7 @@ from tpspec.config import ModelArchConfig
 from tpspec.layers.logits import soft_cap
 from tpspec.models.dflash import DFLASH_ARCHITECTURE, DFlashConfig
 from tpspec.models.registry import get_model_class
+from tpspec.train.dense_layers import plain_draft_arch
 from tpspec.train.dflash_module import DFlashTrainModel
 from tpspec.train.recipe import TrainConfig
 from tpspec.train.trainer import DraftTrainer, FeatureData
@@ -33,11 +32,7 @@ def new_dflash_config(
 ) -> DFlashConfig:
     """A drafter shaped like the target's layers, ``num_layers`` deep, in the public layout's
     Qwen3 style (q/k norms, SiLU, full attention, one RoPE base) whatever the target's style."""
-    arch = dataclasses.replace(
-        target, architecture=DFLASH_ARCHITECTURE, num_hidden_layers=num_layers, tie_word_embeddings=False,
-        layer_types=None, sliding_window=None, rope_local_theta=None, query_pre_attn_scalar=None,
-        final_logit_softcapping=None, hidden_activation="silu",
-    )
+    arch = plain_draft_arch(target, DFLASH_ARCHITECTURE, num_layers)
     cfg = DFlashConfig(arch, block_size, mask_token_id, tuple(target_layer_ids), target.num_hidden_layers)
     cfg.validate(target, block_size - 1)
     return cfg

@@ -12,7 +12,6 @@ from origin t (see ``spec_decode/eagle.py``). Same math as ``tpspec.models.eagle
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -24,18 +23,14 @@ from torch import nn
 from tpspec.config import ModelArchConfig
 from tpspec.layers.rotary import RotaryEmbedding
 from tpspec.models.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Config
-from tpspec.train.dense_layers import GatedMLP, RMSNorm
+from tpspec.train.dense_layers import GatedMLP, RMSNorm, plain_draft_arch
 
 
 def new_eagle3_config(target: ModelArchConfig, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
     """A head shaped like one of the target's layers (Llama style: SiLU, no q/k norms, one RoPE
     base), reading the target's hidden states at ``aux_layer_ids`` (Hugging Face ``hidden_states``
     indices; None: EAGLE-3's default (2, N // 2, N − 3))."""
-    arch = dataclasses.replace(
-        target, architecture=EAGLE3_ARCHITECTURES[0], num_hidden_layers=1, tie_word_embeddings=False,
-        layer_types=None, sliding_window=None, rope_local_theta=None, query_pre_attn_scalar=None,
-        final_logit_softcapping=None, hidden_activation="silu",
-    )
+    arch = plain_draft_arch(target, EAGLE3_ARCHITECTURES[0], 1)
     cfg = Eagle3Config(arch, draft_vocab_size, target.hidden_size, aux_layer_ids, norm_before_residual=False)
     cfg.validate(target, ships_embedding=False)
     return cfg

@@ -116,7 +116,9 @@ def train_draft(
     train_data, held_out = FeatureData.load(*train_folders), FeatureData.load(folders["held_out_features"])
     logger.info("training on %d tokens in %d sequences", train_data.num_tokens(), len(train_data.seqs))
 
-    state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers."])
+    # the draft's starting point: embedding and LM head, and the final norm (eagle3) or the layers (dflash)
+    state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight",
+                                            "model.norm.weight" if recipe.method == "eagle3" else "model.layers."])
     embed = state["model.embed_tokens.weight"]
     lm_head = state.get("lm_head.weight", embed)
     torch.manual_seed(train_cfg.seed)  # the draft's initial weights
