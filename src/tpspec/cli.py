@@ -14,7 +14,7 @@ from tpspec.bench.server_options import ServerOptions
 from tpspec.distributed.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
-from tpspec.train.recipe import AUTOCAST_OPTIONS, FEATURE_DTYPES, LOSS_VOCABS, TRAIN_METHODS, DraftRecipe, TrainConfig
+from tpspec.train.recipe import AUTOCAST_OPTIONS, CODE_SOURCES, FEATURE_DTYPES, LOSS_VOCABS, TRAIN_METHODS, DraftRecipe, TrainConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -167,7 +167,7 @@ def _train_draft(args: argparse.Namespace) -> int:
         method=args.method, draft_vocab_size=args.draft_vocab_size, chain_depth=args.chain_depth,
         num_layers=args.num_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
-        init_from_target=not args.random_init, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+        init_from_target=not args.random_init, code_sources=tuple(args.code_sources), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         text_tokens=args.text_tokens, feature_dtype=args.feature_dtype,
     )
     cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
@@ -194,9 +194,11 @@ def add_train_draft_parser(sub) -> None:
                    help="target layers read (output of layer L); default: dflash 5 spread over the target, eagle3 EAGLE-3's three")
     t.add_argument("--mask-token-id", type=int, default=None, help="default: the last id of the target's vocabulary")
     t.add_argument("--random-init", action="store_true", help="do not start the draft layers from the target's last layers")
-    t.add_argument("--num-prompts", type=int, default=r.num_prompts, help="standard-library prompts whose continuations are generated")
+    t.add_argument("--code-sources", nargs="+", choices=CODE_SOURCES, default=list(r.code_sources),
+                   help="where prompts and real text come from, in order: the standard library, the installed packages")
+    t.add_argument("--num-prompts", type=int, default=r.num_prompts, help="prompts (documented functions) whose continuations are generated")
     t.add_argument("--max-tokens", type=int, default=r.max_tokens, help="continuation length per prompt")
-    t.add_argument("--text-tokens", type=int, default=r.text_tokens, help="standard-library source tokens used as real text")
+    t.add_argument("--text-tokens", type=int, default=r.text_tokens, help="tokens of the code sources' files used as real text")
     t.add_argument("--feature-dtype", choices=FEATURE_DTYPES, default=r.feature_dtype,
                    help="dtype of the target forward that makes the features and labels")
     t.add_argument("--steps", type=int, default=c.steps)

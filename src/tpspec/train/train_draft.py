@@ -3,7 +3,7 @@
 work_dir/
   generated/shard_*.pt        the target's greedy continuations of the training prompts
   features/shard_*.pt         target features and argmax labels on them
-  text/, text_features/       real text (standard-library sources) and the same on it
+  text/, text_features/       real text (the code sources' files) and the same on it
   held_out_generated/, held_out_features/   the same for HumanEval (evaluation only)
   draft_vocab.json            EAGLE-3: the draft vocabulary's held-out coverage by size
   checkpoint.pt, learning_curve.json         training state (resume from here)
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tpspec.config import ModelArchConfig
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.models.registry import get_model_class
-from tpspec.train.data import feature_shards, generate_shards, stdlib_prompts, stdlib_sources, text_shards
+from tpspec.train.data import code_prompts, code_texts, feature_shards, generate_shards, text_shards
 from tpspec.train.dflash_module import DFlashTrainModel
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.dflash_trainer import DFlashTrainer, init_from_target, new_dflash_config
@@ -90,7 +90,7 @@ def train_draft(
         cfg = new_dflash_config(arch, recipe.num_layers, layer_ids, recipe.block_size, mask)
     _check_work_dir(work_dir, recipe.method, layer_ids, recipe.feature_dtype)
     if prompts is None:
-        prompts = stdlib_prompts()
+        prompts = code_prompts(recipe.code_sources)
     if recipe.num_prompts is not None:
         prompts = prompts[: recipe.num_prompts]
     if held_out_prompts is None:
@@ -110,7 +110,7 @@ def train_draft(
     if recipe.text_tokens:
         from tpspec.tokenizer import Tokenizer
 
-        text_shards(folders["text"], stdlib_sources(), Tokenizer.from_pretrained(target_folder), max_tokens=recipe.text_tokens)
+        text_shards(folders["text"], code_texts(recipe.code_sources), Tokenizer.from_pretrained(target_folder), max_tokens=recipe.text_tokens)
         feature_shards(folders["text"], folders["text_features"], target_folder, layer_ids, dtype=feature_dtype)
         train_folders.append(folders["text_features"])
     train_data, held_out = FeatureData.load(*train_folders), FeatureData.load(folders["held_out_features"])
