@@ -25,6 +25,16 @@ from tpspec.spec_decode.draft_sampling import sample_draft_full, sample_draft_sh
 from tpspec.spec_decode.step_time import profile_context
 
 DRAFT_SAMPLE_SITE = "draft.sample"
+# A capture id past the layers: the target's final-norm output, the hidden state its LM head reads
+# (what an MTP module takes; vLLM feeds MTP the target model's output, which is after the final norm).
+FINAL_HIDDEN = -1
+
+
+def target_features(layers: tuple[int, ...], captured: dict[int, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
+    """The features a drafter reads, [num_tokens, len(layers)·H]: per capture id in ``layers`` the
+    captured output of that layer (``captured[L]``, [num_tokens, H]) or, for ``FINAL_HIDDEN``, the
+    target's final-norm output ``final`` [num_tokens, H], concatenated in ``layers`` order."""
+    return torch.cat([final if layer == FINAL_HIDDEN else captured[layer] for layer in layers], dim=-1)
 
 
 @dataclass
@@ -83,7 +93,8 @@ class DraftOutput:
 
 
 class DraftModelSpeculator:
-    # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads.
+    # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads, or
+    # FINAL_HIDDEN for the target's final-norm output.
     capture_layers: tuple[int, ...] = ()
     # True when the draft tokens come from a whole (unsharded) LM head on every rank.
     replicated_lm_head: bool = False

@@ -10,6 +10,7 @@ from tpspec.config import ModelArchConfig
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
+from tpspec.spec_decode.speculator import target_features
 
 BLOCK = 16
 
@@ -25,7 +26,8 @@ class TargetFeatureExtractor:
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns features [N, n·H] (outputs of ``target_layer_ids``, concatenated) and the argmax
+        """Returns features [N, n·H] (outputs of ``target_layer_ids``, concatenated; ``FINAL_HIDDEN``:
+        the final-norm output) and the argmax
         prediction of the next token [N], N = all tokens."""
         lens = [len(s) for s in seqs]
         tables, next_block = [], 0
@@ -38,6 +40,6 @@ class TargetFeatureExtractor:
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
         pos = torch.cat([torch.arange(n) for n in lens])
         hidden, captured = self.model(ids, pos, kv, md, self.layers)
-        features = torch.cat([captured[layer] for layer in self.layers], dim=-1)
+        features = target_features(self.layers, captured, hidden)
         preds = torch.cat([self.model.compute_logits(h).argmax(-1) for h in hidden.split(1024)])
         return features, preds

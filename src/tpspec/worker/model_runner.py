@@ -30,7 +30,7 @@ from tpspec.spec_decode.eagle import Eagle3Proposer
 from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
-from tpspec.spec_decode.speculator import DraftInput
+from tpspec.spec_decode.speculator import DraftInput, target_features
 from tpspec.spec_decode.step_time import profile_context, profile_grid
 from tpspec.worker.request_state import RequestStates, ScheduledSeq
 from tpspec.worker.step import StepInput, StepOutput, TokenLogprobs
@@ -257,7 +257,7 @@ class ModelRunner:
         num_drafts = [0] * len(seqs)
         if self.config.speculative is not None:
             wanted = [s.step.num_draft if emitted and not end else 0 for s, emitted, end in zip(seqs, sampled, ended)]
-            self._propose(seqs, sampled, wanted, query_lens, captured)
+            self._propose(seqs, sampled, wanted, query_lens, captured, hidden)
             num_drafts = [len(s.state.draft_ids) for s in seqs]
         t2 = self._now()
         return StepOutput(sampled, logprobs, num_accepted, num_drafts, target_s=t1 - t0, drafter_s=t2 - t1)
@@ -336,6 +336,7 @@ class ModelRunner:
     def _propose(
         self, seqs: list[ScheduledSeq], sampled: list[list[int]], wanted: list[int], query_lens: list[int],
         captured: dict[int, torch.Tensor],
+        final_hidden: torch.Tensor,  # [num_tokens, H] the target's final-norm output
     ) -> None:
         """Feed the drafter this step's verified tokens (and, if it reads them, the target's hidden
         states of those tokens) whatever k is, so its state stays valid, and keep ``wanted[i]``
@@ -355,7 +356,7 @@ class ModelRunner:
         features = None
         if self.speculator.capture_layers:
             rows = torch.tensor(context_rows, dtype=torch.int64, device=self.device)
-            features = torch.cat([captured[layer] for layer in self.speculator.capture_layers], dim=-1)[rows]
+            features = target_features(self.speculator.capture_layers, captured, final_hidden)[rows]
         proposing = [i for i, n in enumerate(wanted) if n]
         sampling = None
         if proposing and self.speculator.draft_sample_method == "probabilistic":

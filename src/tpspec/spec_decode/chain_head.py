@@ -1,0 +1,127 @@
+"""``ChainHeadProposer``: the drafting loop of a one-layer head that chains from the target's hidden
+states (EAGLE-3, ``spec_decode/eagle.py``; MTP, ``spec_decode/mtp.py``), with its own paged KV cache
+addressed by the target's block tables (draft KV valid below the target's computed tokens,
+rewritten by refeeding).
+
+Row t of the head pairs the target's hidden state at position t (as the head takes it) with the
+embedding of token t + 1 and sits at position t; its output predicts token t + 2. So each step
+first refeeds, per sequence, every kept position whose next token is known: for a proposing
+sequence with tokens ``x_s … x_n`` (x_n the new bonus/recovered token) rows s … n − 1, the last of
+which yields draft 1 (position n + 1). Draft j + 1 then comes from a row at position n + j − 1
+that feeds draft j with the previous row's pre-norm output in place of the target's hidden state.
+The k − 1 chained rows sit at positions n … n + k − 2, inside the k lookahead slots the scheduler
+reserves.
+
+A partial prefill chunk ``x_s … x_e`` feeds rows s … e − 1 only: its last row needs x_{e+1},
+which the next chunk brings, and the target features of x_e are gone by then, so the draft KV
+of position e stays unwritten (a stale key for that sequence's later drafts; outputs are still
+verified by the target, so this costs acceptance, never correctness).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpspec.layers.attention import AttentionMetadata
+from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+
+
+class ChainHeadProposer(DraftModelSpeculator):
+    """Subclasses build ``self.model`` and define the three hooks below."""
+
+    feature_width: int  # width of the target features the runner hands over per token
+    hidden_size: int  # the head's hidden state
+
+    def _hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [rows, feature_width] -> the head's input hidden state [rows, H]."""
+        raise NotImplementedError
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward (ids, positions [rows], hidden [rows, H]); ``step``: 0 for the rows fed
+        target features, j for chain step j. Returns (normed, prenorm) [rows, H]."""
+        raise NotImplementedError
+
+    def _run(
+        self, ids: list[int], positions: list[int], hidden: torch.Tensor, query_lens: list[int], tables: list[list[int]],
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over the rows of several sequences (``query_lens[i]`` consecutive rows
+        each, the last at the sequence's newest position); returns (normed, prenorm) [rows, H]."""
+        ends = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        context_lens = [positions[e] + 1 for e in ends.tolist()]
+        md = AttentionMetadata.build(query_lens, context_lens, tables, self.engine_config.cache.block_size, self.device)
+        return self._forward(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            hidden, md, step,
+        )
+
+    def _dummy_run(self, hidden: torch.Tensor, query_len: int) -> torch.Tensor:
+        rows = hidden.shape[0]
+        md, positions = self.dummy_metadata(rows, query_len)
+        ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        normed, _ = self._forward(ids, positions, hidden, md, 0)
+        return normed
+
+    def dummy_feed(self, num_rows: int) -> None:
+        features = torch.zeros(num_rows, self.feature_width, dtype=self.model.dtype, device=self.device)
+        self._dummy_run(self._hidden(features), self.num_speculative_tokens + 1)
+
+    def dummy_pass(self, num_rows: int) -> None:
+        hidden = torch.zeros(num_rows, self.hidden_size, dtype=self.model.dtype, device=self.device)
+        self.dummy_sample(self._dummy_run(hidden, 1))
+
+    @torch.inference_mode()
+    def propose(self, inp: DraftInput) -> DraftOutput:
+        drafts: list[list[int]] = [[] for _ in inp.token_ids]
+        dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
+        # 1. Refeed: row t = (features at t, token t + 1) at position t, for every kept t whose next token is known.
+        ids, positions, feature_rows, fed, lens = [], [], [], [], []
+        offset = 0
+        for i, tokens in enumerate(inp.token_ids):
+            n = len(tokens) - 1  # rows with a known next token
+            if n > 0:
+                ids += tokens[1:]
+                positions += range(inp.start_pos[i], inp.start_pos[i] + n)
+                feature_rows += range(offset, offset + n)
+                fed.append(i)
+                lens.append(n)
+            offset += inp.num_context(i)
+        if not fed:
+            return DraftOutput(drafts, dists)
+        features = inp.target_features[torch.tensor(feature_rows, dtype=torch.int64, device=self.device)]  # [rows, F]
+        normed, prenorm = self._run(ids, positions, self._hidden(features), lens, [inp.block_tables[i] for i in fed])
+        rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
+        if not rows:
+            return DraftOutput(drafts, dists)
+        ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
+        end_of = dict(zip(fed, ends))
+        last = torch.tensor([end_of[i] for i in rows], device=self.device)
+        normed, prenorm = normed[last], prenorm[last]  # [len(rows), H]
+        # 2. Chain: draft j + 1 from a row at position n + j - 1 feeding draft j (n: the bonus token's position).
+        pos = [inp.start_pos[i] + len(inp.token_ids[i]) for i in rows]  # position of draft 1
+        tables = [inp.block_tables[i] for i in rows]
+        # A draft at a position >= max_model_len can never be verified: feeding stops before it.
+        max_len = self.engine_config.scheduler.max_model_len
+        num = [max(0, min(inp.num_drafts[i], max_len - p)) for i, p in zip(rows, pos)]  # drafts per row
+        if not any(num):
+            return DraftOutput(drafts, dists)
+        drafting = [r for r, n in enumerate(num) if n]
+        carried = prenorm if len(drafting) == len(num) else prenorm[torch.tensor(drafting, device=self.device)]
+
+        def advance(active: list[int], keep: list[int], tokens: list[int], j: int) -> torch.Tensor:
+            # Draft j + 2 comes from the row that feeds draft j + 1 one position before it (pos + j − 1),
+            # with the previous row's pre-norm output in place of target features.
+            nonlocal carried
+            normed_next, carried = self._run(
+                tokens, [pos[r] + j - 1 for r in active], carried[torch.tensor(keep, device=self.device)],
+                [1] * len(active), [tables[r] for r in active], step=j + 1,
+            )
+            return normed_next
+
+        chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance)
+        for r, i in enumerate(rows):
+            drafts[i], dists[i] = chain[r], chain_dists[r]
+        return DraftOutput(drafts, dists)
