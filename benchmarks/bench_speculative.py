@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["dflash", "ngram"])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7, 15], help="fixed k; the adaptive runs use max")
     p.add_argument("--configs", nargs="+", default=None, help="only these (names as printed); default all")
+    p.add_argument("--extra-config", action="append", default=[], metavar="NAME=JSON",
+                   help="one more configuration, e.g. a drafter from elsewhere: "
+                        "'new-adaptive={\"method\": \"eagle3\", \"model\": \"/path\", \"num_speculative_tokens\": 6}'")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, 3c))")
     p.add_argument("--segment-prompts", type=int, default=None, help="prompts per segment (default c)")
@@ -200,6 +203,9 @@ def main(argv=None) -> int:
     todo = configs(args.methods, args.ks)
     if args.configs:
         todo = {name: todo[name] for name in args.configs}
+    for extra in args.extra_config:
+        name, _, spec = extra.partition("=")
+        todo[name] = json.loads(spec)
     # Plain decoding first, then the adaptive configurations: run next to plain in every segment
     # (forward and backward), their ratios to it are the least exposed to the machine's drift.
     # The twin next: its ratio to plain is taken as far apart as the adaptive configurations' are.

@@ -180,7 +180,7 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 def add_train_draft_parser(sub) -> None:
     r, c = DraftRecipe, TrainConfig  # the defaults
-    t = sub.add_parser("train-draft", help="train a drafter (DFlash or EAGLE-3) for a target by self-distillation (resumable)")
+    t = sub.add_parser("train-draft", help="train a drafter (DFlash, EAGLE-3 or MTP) for a target by self-distillation (resumable)")
     t.add_argument("--method", choices=TRAIN_METHODS, default=r.method)
     t.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
     t.add_argument("--work-dir", required=True, help="data, checkpoints and the learning curve; rerun to resume")
@@ -189,11 +189,11 @@ def add_train_draft_parser(sub) -> None:
     t.add_argument("--block-size", type=int, default=r.block_size, help="dflash: draft block (k + 1)")
     t.add_argument("--draft-vocab-size", type=int, default=r.draft_vocab_size,
                    help="eagle3: the draft vocabulary (the tokens the target predicts most in the data)")
-    t.add_argument("--chain-depth", type=int, default=r.chain_depth, help="eagle3: chain steps trained per position")
+    t.add_argument("--chain-depth", type=int, default=r.chain_depth, help="eagle3, mtp: chain steps trained per position")
     t.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                    help="target layers read (output of layer L); default: dflash 5 spread over the target, eagle3 EAGLE-3's three")
     t.add_argument("--mask-token-id", type=int, default=None, help="default: the last id of the target's vocabulary")
-    t.add_argument("--random-init", action="store_true", help="do not start the draft layers from the target's last layers")
+    t.add_argument("--random-init", action="store_true", help="dflash, mtp: do not start the draft layers from the target's last layers")
     t.add_argument("--code-sources", nargs="+", choices=CODE_SOURCES, default=list(r.code_sources),
                    help="where prompts and real text come from, in order: the standard library, the installed packages")
     t.add_argument("--num-prompts", type=int, default=r.num_prompts, help="prompts (documented functions) whose continuations are generated")

@@ -69,6 +69,8 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     hidden_activation: str = "silu"
+    # MTP modules stored after the decoder layers (model.layers.{N + i}): the target skips them
+    num_nextn_predict_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArchConfig":
@@ -106,6 +108,7 @@ class ModelArchConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             **_gemma3_fields(cfg, arch, local_rope),
         )
 
@@ -238,9 +241,11 @@ class SchedulerConfig:
             )
 
 
-SPEC_METHODS = ("draft_model", "ngram", "dflash", "eagle3", "eagle")
-# Methods whose model may be omitted: they fall back to the drafter shipped for the target.
+SPEC_METHODS = ("draft_model", "ngram", "dflash", "eagle3", "eagle", "mtp")
+# Methods whose model may be omitted: they fall back to the drafter shipped for the target, and
+# mtp (as in vLLM) to the target's own checkpoint, whose MTP layers follow its decoder layers.
 SHIPPED_DRAFTER_METHODS = (*SHIPPED_DRAFTERS, *METHOD_ALIASES)
+MODEL_OPTIONAL_METHODS = (*SHIPPED_DRAFTER_METHODS, "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -311,7 +316,7 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
-            if self.model is None and self.method not in SHIPPED_DRAFTER_METHODS:
+            if self.model is None and self.method not in MODEL_OPTIONAL_METHODS:
                 raise ValueError(
                     f"speculative_config.model is required for method {self.method!r} (a draft checkpoint: "
                     f"a .gguf file or a model folder), got None"

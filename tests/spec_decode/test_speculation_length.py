@@ -7,9 +7,9 @@ and preemption (a small KV cache):
 * greedy output equals plain output token for token, for every method, TP 1 and 2, the flag on
   and off;
 * the drafter's state stays valid whatever k was: a self-draft (the target as its own draft
-  model) has every draft accepted, and DFlash and EAGLE-3 propose, at every position, the drafts
-  a pinned-k run proposes at the same position (for DFlash, blocks of the same length), so no
-  k = 0 step left their KV cache or context features stale;
+  model) has every draft accepted, and DFlash, EAGLE-3 and MTP propose, at every position, the
+  drafts a pinned-k run proposes at the same position (for DFlash, blocks of the same length), so
+  no k = 0 step left their KV cache or context features stale;
 * the adaptive controller itself (no random draws) is lossless too.
 
 Engines are created, used and shut down inside memoized run functions (one TP group per process).
@@ -22,6 +22,7 @@ import random
 import pytest
 
 from tests.models.test_eagle3 import write_eagle3
+from tests.models.test_mtp import write_mtp
 from tpspec import LLM, SamplingParams
 from tpspec.spec_decode import dflash
 from tpspec.spec_decode.controller import SpeculationLengthController
@@ -44,7 +45,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def drafters(tiny_llama, tiny_dflash, tmp_path_factory) -> dict[str, str]:
-    return {"self": tiny_llama, "dflash": tiny_dflash, "eagle3": write_eagle3(str(tmp_path_factory.mktemp("eagle3")), seed=4)}
+    return {"self": tiny_llama, "dflash": tiny_dflash, "eagle3": write_eagle3(str(tmp_path_factory.mktemp("eagle3")), seed=4),
+            "mtp": write_mtp(str(tmp_path_factory.mktemp("mtp")), tiny_llama, seed=4)}
 
 
 def _spec(method: str, drafters: dict, flag: bool, **kw) -> dict:
@@ -65,6 +67,7 @@ CASES = {  # name: (method, tp, flag)
     "dflash-flag-tp2": ("dflash", 2, True),
     "eagle3-flag-tp1": ("eagle3", 1, True),
     "eagle3-noflag-tp2": ("eagle3", 2, False),
+    "mtp-flag-tp1": ("mtp", 1, True),
 }
 
 
@@ -79,8 +82,8 @@ def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
     recorded: list = []
     propose = ModelRunner._propose
 
-    def recording(self, seqs, sampled, wanted, query_lens, captured):
-        propose(self, seqs, sampled, wanted, query_lens, captured)
+    def recording(self, seqs, sampled, wanted, *rest):
+        propose(self, seqs, sampled, wanted, *rest)
         for s, n in zip(seqs, wanted):
             if n:
                 recorded.append((s.req_id, s.state.req.num_tokens, list(s.state.draft_ids)))
@@ -141,7 +144,7 @@ def test_random_k_is_lossless(case, tiny_llama, drafters, monkeypatch):
 @pytest.mark.parametrize(
     "case,mode",
     [("dflash-flag-tp1", "random"), ("dflash-flag-tp2", "random"), ("dflash-flag-tp1", "random-cap"),
-     ("eagle3-flag-tp1", "random"), ("eagle3-noflag-tp2", "random")],
+     ("eagle3-flag-tp1", "random"), ("eagle3-noflag-tp2", "random"), ("mtp-flag-tp1", "random")],
 )
 def test_drafts_do_not_depend_on_earlier_k(case, mode, tiny_llama, drafters, monkeypatch):
     """Whatever k a request had before (0 included: DFlash defers its context then, "random-cap"
@@ -149,7 +152,7 @@ def test_drafts_do_not_depend_on_earlier_k(case, mode, tiny_llama, drafters, mon
     method, tp, flag = CASES[case]
     random_run = _run((method, tp, flag, mode), tiny_llama, drafters, monkeypatch, roomy=True)
     pinned = _run((method, tp, flag, "pinned"), tiny_llama, drafters, monkeypatch, roomy=True)
-    # (An EAGLE-3 head's KV at a prefill chunk's last position stays unwritten, so there chunk
+    # (A chain head's KV at a prefill chunk's last position stays unwritten, so there chunk
     # boundaries, which the token budget left by drafts moves, change its drafts: ROOMY has none.)
     # The same request reaches the same position with the same tokens in both runs (greedy): the
     # drafter, fed the same history, must propose the same drafts there, for the same k (a DFlash

@@ -19,7 +19,8 @@ from tpspec.config import ModelArchConfig
 from tpspec.spec_decode.eagle import Eagle3Proposer
 from tpspec.spec_decode.speculator import DraftInput
 from tpspec.train.eagle3_module import Eagle3TrainModel, new_eagle3_config
-from tpspec.train.eagle3_trainer import Eagle3Trainer, build_chain_batch, choose_draft_vocab
+from tpspec.train.chain_trainer import build_chain_batch
+from tpspec.train.eagle3_trainer import Eagle3Trainer, choose_draft_vocab
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
 from tpspec.train.trainer import FeatureData

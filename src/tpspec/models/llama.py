@@ -205,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        index = name.split(".")[1] if name.startswith("layers.") else ""
+        if index.isdigit() and int(index) >= self.config.num_hidden_layers:
+            if int(index) < self.config.num_hidden_layers + self.config.num_nextn_predict_layers:
+                return None  # an MTP module's (spec_decode/mtp.py reads it)
         return checkpoint_target(self, name, self.packed)
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:

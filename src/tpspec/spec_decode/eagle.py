@@ -5,21 +5,16 @@ target's hidden states at three layers, fused by its ``fc`` (the loop: ``spec_de
 from __future__ import annotations
 
 import torch
-from safetensors import safe_open
 
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
-from tpspec.models.loader.safetensors import checkpoint_files, iterate_weights
+from tpspec.models.loader.safetensors import iterate_weights, weight_names
 from tpspec.spec_decode.chain_head import ChainHeadProposer
 
 
 def ships_embedding(folder: str) -> bool:
     """Whether the EAGLE-3 checkpoint in ``folder`` has its own ``embed_tokens.weight``."""
-    for path in checkpoint_files(folder):
-        with safe_open(path, framework="pt") as f:
-            if "embed_tokens.weight" in f.keys():
-                return True
-    return False
+    return "embed_tokens.weight" in weight_names(folder)
 
 
 class Eagle3Proposer(ChainHeadProposer):

@@ -10,6 +10,7 @@ from tpspec.config import ModelArchConfig, SpeculativeConfig
 from tpspec.models.dflash import DFlashConfig
 from tpspec.models.eagle3 import Eagle3Config
 from tpspec.models.loader.resolve import resolve_model
+from tpspec.models.mtp import MTPConfig
 from tpspec.models.registry import get_model_class
 
 
@@ -29,25 +30,33 @@ def resolve_drafter(
     picks the shipped drafter; a path to the default model picks the default's."""
     if spec.method == "ngram":
         return spec, None
-    if spec.model is None:  # only a method with shipped drafters may omit it (SpeculativeConfig checks)
+    if spec.model is None:  # only a method with shipped drafters, or mtp, may omit it (SpeculativeConfig checks)
         from tpspec.spec_decode.shipped import shipped_drafter, shipped_targets
 
         shipped = shipped_targets(spec.method)
         if target_name not in shipped and _is_default_model(target_folder):
             target_name = None
-        if target_name not in shipped:
+        if target_name in shipped:
+            model = shipped_drafter(spec.method, target_name)
+        elif spec.method == "mtp":
+            model = target_folder  # the target's own MTP layers, as vLLM reads them
+        else:
             others = [f"--model {name}" for name in shipped if name is not None]
             raise ValueError(
                 f"speculative_config.model is required for method {spec.method!r} unless the target is one that "
                 f"tpspec ships a {spec.method} drafter for: " + " or ".join(["the default model"] + others)
             )
-        spec = dataclasses.replace(spec, model=shipped_drafter(spec.method, target_name))
+        spec = dataclasses.replace(spec, model=model)
     else:
         spec = dataclasses.replace(spec, model=resolve_model(spec.model))
     if spec.method == "dflash":
         dflash = DFlashConfig.from_folder(spec.model)
         dflash.validate(target, spec.num_speculative_tokens)
         return spec, dflash.arch
+    if spec.method == "mtp":
+        mtp = MTPConfig.from_folder(spec.model)
+        mtp.validate(target)
+        return spec, mtp.arch
     if spec.method in ("eagle3", "eagle"):
         from tpspec.spec_decode.eagle import ships_embedding
 

@@ -7,7 +7,7 @@ position t, causal over the step-0 rows; its output predicts token t + 2. Step j
 chain that starts at t): the previous step's pre-norm output of row t with the embedding of token
 t + j + 1, at position t + j; it attends to the step-0 rows at positions ≤ t and to its own chain's
 rows of steps 1 … j, which is exactly what the serving head's paged cache holds when it drafts
-from origin t (see ``spec_decode/eagle.py``). Same math as ``tpspec.models.eagle3``.
+from origin t (see ``spec_decode/chain_head.py``). Same math as ``tpspec.models.eagle3``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
 from tpspec.config import ModelArchConfig
 from tpspec.layers.rotary import RotaryEmbedding
 from tpspec.models.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Config
-from tpspec.train.dense_layers import GatedMLP, RMSNorm, plain_draft_arch
+from tpspec.train.dense_layers import ChainAttention, GatedMLP, RMSNorm, plain_draft_arch
 
 
 def new_eagle3_config(target: ModelArchConfig, draft_vocab_size: int, aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
@@ -36,46 +35,12 @@ def new_eagle3_config(target: ModelArchConfig, draft_vocab_size: int, aux_layer_
     return cfg
 
 
-class _Attention(nn.Module):
-    def __init__(self, a: ModelArchConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(2 * a.hidden_size, self.heads * a.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(2 * a.hidden_size, self.kv_heads * a.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(2 * a.hidden_size, self.kv_heads * a.head_dim, bias=a.attention_bias)
-        self.o_proj = nn.Linear(self.heads * a.head_dim, a.hidden_size, bias=a.attention_bias)
-
-    def forward(self, x, positions, rotary: RotaryEmbedding, base: tuple | None, chain: list[tuple]):
-        """x: [B, T, 2H] at positions [B, T]. ``base``: the step-0 (keys, values) [B, heads, T, d],
-        None at step 0 (which makes them); ``chain``: this chain's (key, value) of steps 1 … j − 1.
-        Returns (output [B, T, H], this step's (key, value)); the step's own key is attended too."""
-        b, t, _ = x.shape
-        d, rep = self.head_dim, self.heads // self.kv_heads
-        pos = positions.reshape(-1)
-        q = rotary.rotate(pos, self.q_proj(x).view(-1, self.heads, d)).view(b, t, self.heads, d).transpose(1, 2)
-        k = rotary.rotate(pos, self.k_proj(x).view(-1, self.kv_heads, d)).view(b, t, self.kv_heads, d)
-        k = k.transpose(1, 2).repeat_interleave(rep, 1)  # [B, heads, T, d]
-        v = self.v_proj(x).view(b, t, self.kv_heads, d).transpose(1, 2).repeat_interleave(rep, 1)
-        if base is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, T, d]
-        else:
-            k0, v0 = base
-            keys, values = [kv[0] for kv in chain] + [k], [kv[1] for kv in chain] + [v]
-            scale = d**-0.5
-            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, heads, T, T]
-            diag = torch.stack([(q * kj).sum(-1) for kj in keys], -1) * scale  # [B, heads, T, j]
-            p = torch.cat([s0, diag], -1).float().softmax(-1).to(q.dtype)
-            out = p[..., :t] @ v0 + (p[..., t:, None] * torch.stack(values, -2)).sum(-2)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * d)), (k, v)
-
-
 class _Midlayer(nn.Module):
     def __init__(self, a: ModelArchConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = _Attention(a)
+        self.self_attn = ChainAttention(a, 2 * a.hidden_size)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = GatedMLP(a)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 
 LOSS_VOCABS = ("full", "labels")
-TRAIN_METHODS = ("dflash", "eagle3")
+TRAIN_METHODS = ("dflash", "eagle3", "mtp")
 # "auto": bfloat16 where the CPU multiplies it natively (cpu_features.BFLOAT16_ISA; 2.5x a float32
 # EAGLE-3 step on AVX512-BF16, benchmarks/README.md), else none (float32 throughout)
 AUTOCAST_OPTIONS = ("auto", "bfloat16", "none")
@@ -24,11 +24,11 @@ class DraftRecipe:
     target_layer_ids: tuple[int, ...] | None = None  # None: evenly spread over the target
     block_size: int = 16
     mask_token_id: int | None = None  # None: the last id of the target's vocabulary
-    init_from_target: bool = True  # draft layers start as copies of the target's last layers
-    # eagle3: the draft vocabulary and the chain steps trained per position (training-time test);
-    # the target layers read are EAGLE-3's default (2, N // 2, N − 3) unless target_layer_ids
-    # names them (tpspec convention: the output of layer L)
+    init_from_target: bool = True  # dflash, mtp: draft layers start as copies of the target's last layers
+    # eagle3: the draft vocabulary; the target layers read are EAGLE-3's default (2, N // 2, N − 3)
+    # unless target_layer_ids names them (tpspec convention: the output of layer L)
     draft_vocab_size: int = 16384
+    # eagle3, mtp: the chain steps trained per position (training-time test)
     chain_depth: int = 6
     code_sources: tuple[str, ...] = ("stdlib",)  # of the prompts and the real text, in order (CODE_SOURCES)
     num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
@@ -45,6 +45,9 @@ class DraftRecipe:
             raise ValueError(f"train-draft method must be one of {TRAIN_METHODS}, got {self.method!r}")
         if self.feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"draft recipe feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
+        if self.method == "mtp" and self.target_layer_ids is not None:
+            raise ValueError(f"draft recipe target_layer_ids does not apply to method 'mtp' (it reads the target's "
+                             f"final-norm output), got {self.target_layer_ids!r}")
         sources = self.code_sources
         if not sources or any(c not in CODE_SOURCES for c in sources) or len(set(sources)) < len(sources):
             raise ValueError(f"draft recipe code_sources must be distinct names from {CODE_SOURCES}, got {self.code_sources!r}")

@@ -1,4 +1,4 @@
-"""``tpspec train-draft``: the whole recipe that produces a drafter (DFlash or EAGLE-3) for a target.
+"""``tpspec train-draft``: the whole recipe that produces a drafter (DFlash, EAGLE-3 or MTP) for a target.
 
 work_dir/
   generated/shard_*.pt        the target's greedy continuations of the training prompts
@@ -21,15 +21,18 @@ import os
 import torch
 from safetensors import safe_open
 
-from tpspec.config import ModelArchConfig
+from tpspec.config import ModelArchConfig, read_config_json
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.models.registry import get_model_class
+from tpspec.spec_decode.speculator import FINAL_HIDDEN
 from tpspec.train.data import code_prompts, code_texts, feature_shards, generate_shards, text_shards
 from tpspec.train.dflash_module import DFlashTrainModel
 from tpspec.train.recipe import DraftRecipe, TrainConfig
-from tpspec.train.dflash_trainer import DFlashTrainer, init_from_target, new_dflash_config
+from tpspec.train.dflash_trainer import DFlashTrainer, init_from_target, new_dflash_config, qwen3_layer_view
 from tpspec.train.eagle3_module import Eagle3TrainModel, new_eagle3_config
 from tpspec.train.eagle3_trainer import Eagle3Trainer, choose_draft_vocab, draft_vocab_coverage
+from tpspec.train.mtp_module import MTPTrainModel, new_mtp_config
+from tpspec.train.mtp_trainer import MTPTrainer
 from tpspec.train.trainer import FeatureData
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,9 @@ def train_draft(
         aux = None if recipe.target_layer_ids is None else tuple(i + 1 for i in recipe.target_layer_ids)
         cfg = new_eagle3_config(arch, min(recipe.draft_vocab_size, arch.vocab_size), aux)
         layer_ids = cfg.fc_layers(arch.num_hidden_layers)
+    elif recipe.method == "mtp":
+        cfg = new_mtp_config(read_config_json(target_folder, "model folder"))
+        layer_ids = (FINAL_HIDDEN,)
     else:
         layer_ids = recipe.target_layer_ids or spread_layer_ids(arch.num_hidden_layers)
         mask = recipe.mask_token_id if recipe.mask_token_id is not None else arch.vocab_size - 1
@@ -116,12 +122,25 @@ def train_draft(
     train_data, held_out = FeatureData.load(*train_folders), FeatureData.load(folders["held_out_features"])
     logger.info("training on %d tokens in %d sequences", train_data.num_tokens(), len(train_data.seqs))
 
-    # the draft's starting point: embedding and LM head, and the final norm (eagle3) or the layers (dflash)
-    state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight",
-                                            "model.norm.weight" if recipe.method == "eagle3" else "model.layers."])
+    # the draft's starting point: embedding, LM head and final norm, and the layers (dflash: the
+    # last num_layers; mtp: the last, for its block)
+    last = arch.num_hidden_layers - 1
+    layers = {"eagle3": [], "mtp": [f"model.layers.{last}."], "dflash": ["model.layers."]}[recipe.method]
+    state = _target_tensors(target_folder, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", *layers])
     embed = state["model.embed_tokens.weight"]
     lm_head = state.get("lm_head.weight", embed)
     torch.manual_seed(train_cfg.seed)  # the draft's initial weights
+    if recipe.method == "mtp":
+        module = MTPTrainModel(cfg, read_config_json(target_folder, "model folder"))
+        with torch.no_grad():
+            module.shared_head.norm.weight.copy_(state["model.norm.weight"].float())
+            if recipe.init_from_target:  # the block starts as the target's last decoder layer
+                view = qwen3_layer_view(state, arch, last)
+                for name, param in module.named_parameters():
+                    if name in view:
+                        param.copy_(view[name])
+        trainer = MTPTrainer(module, embed, lm_head, train_data, held_out, train_cfg, work_dir, recipe.chain_depth)
+        return trainer.run(export_dir=out_dir)
     if recipe.method == "eagle3":
         target_ids = choose_draft_vocab(train_data, arch.vocab_size, cfg.draft_vocab_size)
         sizes = sorted({2**i for i in range(11, 17) if 2**i < arch.vocab_size} | {cfg.draft_vocab_size, arch.vocab_size})

@@ -27,6 +27,7 @@ from tpspec.sample.vocab_parallel import LogitsShard, shard_columns
 from tpspec.spec_decode.dflash import DFlashSpeculator
 from tpspec.spec_decode.draft_model import DraftModelProposer
 from tpspec.spec_decode.eagle import Eagle3Proposer
+from tpspec.spec_decode.mtp import MTPProposer
 from tpspec.spec_decode.ngram import NgramProposer
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
@@ -41,6 +42,7 @@ SPECULATORS = {
     "dflash": DFlashSpeculator,
     "eagle3": Eagle3Proposer,
     "eagle": Eagle3Proposer,
+    "mtp": MTPProposer,
 }
 
 logger = logging.getLogger(__name__)

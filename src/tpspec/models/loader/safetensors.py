@@ -35,3 +35,12 @@ def iterate_weights(folder: str, show_progress: bool = True) -> Iterator[tuple[s
         names = [(h, n) for h in handles for n in h.keys()]
         for h, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False):
             yield name, h.get_slice(name)
+
+
+def weight_names(folder: str) -> set[str]:
+    """The names of every tensor in ``folder``'s checkpoint files (no tensor is read)."""
+    names: set[str] = set()
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names
