@@ -18,26 +18,17 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.models.test_mtp import write_mtp
-from tpspec import LLM, SamplingParams
+from tests.spec_decode.test_eagle import (
+    ENGINE, GREEDY, MAX_TOKENS, PROMPTS, SEEDED, SHORT, _bigram_target, _ids, _plain,
+)
+from tpspec import LLM
 
-PROMPTS = [
-    "def add(a, b):",
-    "The quick brown fox jumps over the lazy dog. The quick brown",
-    "import",
-    list(range(40, 76)),  # 36 tokens: prefilled in chunks under max_num_batched_tokens=24
-]
-MAX_TOKENS = 16
-ENGINE = dict(num_kv_blocks=96, block_size=8, max_model_len=128, max_num_batched_tokens=24)
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-SHORT = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # drafts are cut to fit
-SEEDED = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
 PADDED_VOCAB = 1024
 
 
@@ -67,19 +58,7 @@ def modules(tiny_llama, tmp_path_factory) -> dict[str, str]:
     }
 
 
-_PLAIN: dict = {}
 _RUNS: dict = {}
-
-
-def _ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def _plain(target: str, tp: int) -> list[list[int]]:
-    if tp not in _PLAIN:
-        with LLM(target, tensor_parallel_size=tp, **ENGINE) as llm:
-            _PLAIN[tp] = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    return _PLAIN[tp]
 
 
 def _run(case: str, target: str, modules: dict) -> dict:
@@ -120,15 +99,6 @@ def test_draft_sample_bytes_per_row_tp2(tiny_llama, modules):
 
 
 # ---- alignment: a module that mirrors a bigram target -------------------------------------------
-
-
-def _bigram_target(src: str, dst: str) -> str:
-    """``src`` with every attention and MLP output projection zeroed: logits = lm_head(norm(embed(x)))."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    zeroed = {k: (0 * v if k.endswith(("o_proj.weight", "down_proj.weight")) else v) for k, v in weights.items()}
-    save_file(zeroed, os.path.join(dst, "model.safetensors"))
-    return dst
 
 
 def _bigram_mtp(folder: str, target: str) -> str:

@@ -101,11 +101,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         last = torch.tensor([end_of[i] for i in rows], device=self.device)
         normed, prenorm = normed[last], prenorm[last]  # [len(rows), H]
         # 2. Chain: draft j + 1 from a row at position n + j - 1 feeding draft j (n: the bonus token's position).
-        pos = [inp.start_pos[i] + len(inp.token_ids[i]) for i in rows]  # position of draft 1
-        tables = [inp.block_tables[i] for i in rows]
-        # A draft at a position >= max_model_len can never be verified: feeding stops before it.
-        max_len = self.engine_config.scheduler.max_model_len
-        num = [max(0, min(inp.num_drafts[i], max_len - p)) for i, p in zip(rows, pos)]  # drafts per row
+        pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
         if not any(num):
             return DraftOutput(drafts, dists)
         drafting = [r for r, n in enumerate(num) if n]

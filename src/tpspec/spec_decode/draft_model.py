@@ -72,13 +72,7 @@ class DraftModelProposer(DraftModelSpeculator):
             if not rows:
                 return DraftOutput(drafts, dists)
             hidden = last_hidden[torch.tensor(rows, device=self.device)]
-            pos = [inp.start_pos[i] + len(inp.token_ids[i]) for i in rows]  # position of draft 1
-            tables = [inp.block_tables[i] for i in rows]
-            # A draft at a position >= max_model_len can never be verified. Feeding stops before
-            # it, so the drafter writes no KV there (the scheduler reserves none) and never
-            # indexes past the RoPE tables.
-            max_len = self.engine_config.scheduler.max_model_len
-            num = [max(0, min(inp.num_drafts[i], max_len - p)) for i, p in zip(rows, pos)]  # drafts per row
+            pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
             if not any(num):
                 return DraftOutput(drafts, dists)
 

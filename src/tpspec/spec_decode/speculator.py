@@ -173,6 +173,16 @@ class DraftModelSpeculator:
             return DraftSample(*sample_draft_shard(shard, sampling, DRAFT_SAMPLE_SITE))
         return DraftSample(*sample_draft_full(self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE), sampling))
 
+    def chain_rows(self, inp: DraftInput, rows: list[int]) -> tuple[list[int], list[list[int]], list[int]]:
+        """For proposing sequences ``rows``: the position of each one's draft 1, its block table, and
+        how many drafts it gets. A draft at a position >= max_model_len can never be verified:
+        feeding stops before it, so the drafter writes no KV there (the scheduler reserves none)
+        and never indexes past the RoPE tables."""
+        pos = [inp.start_pos[i] + len(inp.token_ids[i]) for i in rows]
+        max_len = self.engine_config.scheduler.max_model_len
+        num = [max(0, min(inp.num_drafts[i], max_len - p)) for i, p in zip(rows, pos)]
+        return pos, [inp.block_tables[i] for i in rows], num
+
     def draft_chain(
         self, hidden: torch.Tensor, num: list[int], positions: list[int], sampling: SamplingMetadata | None,
         advance: Callable[[list[int], list[int], list[int], int], torch.Tensor],

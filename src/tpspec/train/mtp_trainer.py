@@ -39,7 +39,7 @@ class MTPTrainer(ChainTrainer):
         return self.class_index[labels.clamp(min=0)].masked_fill(labels < 0, -100)
 
     def class_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows @ self.class_head.to(rows.dtype).T
+        return rows @ self.class_head.T
 
     def predict(self, rows: torch.Tensor) -> torch.Tensor:
         return (rows.float() @ self.head.T).argmax(-1)
