@@ -1,5 +1,6 @@
 """Speculation length on held-out HumanEval: plain decoding, fixed k and the adaptive controller,
-per method, concurrency and TP size (default model, greedy unless ``--temperature``, 128 tokens).
+per method, concurrency and TP size (default model, greedy unless ``--temperature``, 128 tokens;
+``--stop-at-eos``: up to 128).
 
 Every configuration runs in its own process, started once (one at a time, so that no start-up
 profile is measured beside another process's work) and kept alive: the coordinator then hands
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency level (default max(8, 3c))")
     p.add_argument("--segment-prompts", type=int, default=None, help="prompts per segment (default c)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end a request at its end-of-sequence token, as a client does (default: always --max-tokens; "
+                        "the text past it is unlike any drafter's training data and drafts there are rarely accepted)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (above 0 no run's tokens can be compared with plain decoding's)")
     p.add_argument("--first-prompt", type=int, default=64)
@@ -141,7 +145,7 @@ def worker(args) -> None:
     specs = json.loads(args.worker)
     n = max(num_prompts(args, c) for c in args.concurrency)
     prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     engines = {}
     try:
         for name, spec in specs.items():
@@ -170,6 +174,8 @@ class Process:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(specs), "--tp", str(args.tp),
                "--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature), "--first-prompt", str(args.first_prompt),
                "--concurrency", *map(str, args.concurrency)]
+        if args.stop_at_eos:
+            cmd.append("--stop-at-eos")
         if args.num_prompts:
             cmd += ["--num-prompts", str(args.num_prompts)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -293,7 +299,7 @@ def summarize(segments: list[tuple[dict, int]], todo: dict, greedy: bool = True)
 def save(args, machine: dict, todo: dict, results: list[dict]) -> None:
     with open(args.result_file, "w") as f:
         json.dump({"machine": machine, "tp": args.tp, "one_process": args.one_process,
-                   "max_tokens": args.max_tokens, "temperature": args.temperature, "repeats": args.repeats,
+                   "max_tokens": args.max_tokens, "stop_at_eos": args.stop_at_eos, "temperature": args.temperature, "repeats": args.repeats,
                    "segment_prompts": args.segment_prompts, "configs": todo,
                    "prompts": f"HumanEval from index {args.first_prompt}", "results": results}, f, indent=1)
 

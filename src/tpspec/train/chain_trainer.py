@@ -10,7 +10,8 @@ fed. Loss: cross-entropy over the head's classes (a method's vocabulary), weight
 label outside them has none (the head can never draft it).
 
 Held-out acceptance: every origin of a held-out continuation, scored as greedy verification scores
-a k = depth chain: 1 + the number of leading drafts equal to the target's predictions.
+a k = depth chain (1 + the number of leading drafts equal to the target's predictions), and
+reported along the origins greedy speculation visits (``train/held_out_acceptance.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tpspec.train.held_out_acceptance import HeldOutAcceptance
 from tpspec.train.recipe import TrainConfig
 from tpspec.train.trainer import DraftTrainer, FeatureData
 
@@ -102,23 +104,16 @@ class ChainTrainer(DraftTrainer):
 
     @torch.no_grad()
     def evaluate(self, max_seqs: int | None = None) -> dict:
-        """Mean acceptance length (k = depth) and per-position accuracy on held-out continuations."""
+        """Held-out acceptance (k = depth; ``train/held_out_acceptance.py``)."""
         self.model.eval()
         n_seqs = len(self.held_out.seqs) if max_seqs is None else min(max_seqs, len(self.held_out.seqs))
-        lengths, correct, counted = [], torch.zeros(self.depth), torch.zeros(self.depth)
+        scores = HeldOutAcceptance(self.depth)
         for i in range(n_seqs):
             tok, feat, argmax, p = self.held_out.get(i)
             origins = torch.arange(max(0, p - 1), len(tok) - self.depth - 1)  # every label of a k-chain present
             if not len(origins):
                 continue
             outs, labels = self._forward([(tok, feat, argmax)])
-            ok = torch.stack([self.predict(normed[0, origins]) == labels[j, 0, origins] for j, normed in enumerate(outs)],
-                             dim=1)  # [origins, depth]
-            correct += ok.float().sum(0)
-            counted += ok.shape[0]
-            lengths += (1 + ok.long().cumprod(dim=1).sum(dim=1)).tolist()
-        return {
-            "acceptance_length": sum(lengths) / max(1, len(lengths)),
-            "position_accuracy": (correct / counted.clamp(min=1)).tolist(),
-            "anchors": len(lengths),
-        }
+            scores.add(torch.stack([self.predict(normed[0, origins]) == labels[j, 0, origins] for j, normed in enumerate(outs)],
+                                   dim=1))  # [origins, depth]
+        return scores.result()

@@ -23,6 +23,7 @@ from tpspec.models.dflash import DFLASH_ARCHITECTURE, DFlashConfig
 from tpspec.models.registry import get_model_class
 from tpspec.train.dense_layers import plain_draft_arch
 from tpspec.train.dflash_module import DFlashTrainModel
+from tpspec.train.held_out_acceptance import HeldOutAcceptance
 from tpspec.train.recipe import TrainConfig
 from tpspec.train.trainer import DraftTrainer, FeatureData
 
@@ -180,28 +181,22 @@ class DFlashTrainer(DraftTrainer):
 
     # ---- held-out acceptance -----------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, max_seqs: int | None = None, stride: int = 4) -> dict:
-        """Mean acceptance length (k = block_size − 1) and per-position accuracy on held-out data."""
+    def evaluate(self, max_seqs: int | None = None) -> dict:
+        """Held-out acceptance (k = block_size − 1; ``train/held_out_acceptance.py``)."""
         self.model.eval()
         bs = self.model.config.block_size
-        lengths, correct, counted = [], torch.zeros(bs - 1), torch.zeros(bs - 1)
+        scores = HeldOutAcceptance(bs - 1)
         n = len(self.held_out.seqs) if max_seqs is None else min(max_seqs, len(self.held_out.seqs))
         for i in range(n):
             tok, feat, argmax, p = self.held_out.get(i)
-            anchors = list(range(max(1, p - 1), min(len(tok) - bs, self.max_anchor + 1), stride))
+            anchors = list(range(max(1, p - 1), min(len(tok) - bs, self.max_anchor + 1)))
             if not anchors:
                 continue
+            ok = []
             for chunk in range(0, len(anchors), 32):
                 f, cp, ids, bp, mask, labels = build_blocks([(tok, feat, argmax, anchors[chunk : chunk + 32])], bs, self.model.config.mask_token_id)
                 hidden = self.model(f, cp, F.embedding(ids, self.embed), bp, mask)[0]  # [Q, H]
                 pred = self._logits(hidden).argmax(-1).view(-1, bs)[:, 1:]  # [anchors, bs − 1]
-                ok = pred == labels[0].view(-1, bs)[:, 1:]
-                correct += ok.float().sum(0)
-                counted += ok.shape[0]
-                run = ok.long().cumprod(dim=1).sum(dim=1)  # leading drafts accepted
-                lengths += (1 + run).tolist()
-        return {
-            "acceptance_length": sum(lengths) / max(1, len(lengths)),
-            "position_accuracy": (correct / counted.clamp(min=1)).tolist(),
-            "anchors": len(lengths),
-        }
+                ok.append(pred == labels[0].view(-1, bs)[:, 1:])
+            scores.add(torch.cat(ok))
+        return scores.result()

@@ -89,7 +89,7 @@ class DraftTrainer:
         raise NotImplementedError
 
     def evaluate(self, max_seqs: int | None = None) -> dict:
-        """Held-out ``acceptance_length`` and ``position_accuracy`` (a list, draft 1 first)."""
+        """Held-out acceptance, ``HeldOutAcceptance.result()``."""
         raise NotImplementedError
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -158,7 +158,8 @@ class DraftTrainer:
                 ev = self.evaluate(eval_seqs)
                 last = {"step": self.step, "training_tokens": self.tokens_seen, "loss": self.loss_avg,
                         "held_out_acceptance_length": ev["acceptance_length"],
-                        "first_position_accuracy": ev["position_accuracy"][0],
+                        "held_out_acceptance_length_all_origins": ev["acceptance_length_all_origins"],
+                        "first_draft_acceptance": ev["position_acceptance"][0],
                         "elapsed_s": time.perf_counter() - t0}
                 self.curve.append(last)
                 logger.info("step %d: %s", self.step, last)
