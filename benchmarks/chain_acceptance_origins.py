@@ -13,7 +13,13 @@ the runner handed over. Then, per sequence, runs the head's training forward
 - each of these split at the first end-of-sequence token (past it, with ``ignore_eos``, the target
   writes text no drafter trained on).
 
-  python benchmarks/chain_acceptance_origins.py --num-prompts 32 --result-file benchmarks/results/chain_acceptance_origins.json
+With ``--held-out-features DIR`` (a ``train-draft`` work dir's ``held_out_features``), it also
+scores the head on the first ``--held-out-seqs`` of those shards' sequences as the trainer does
+(``train/held_out_acceptance.py``: along the origins greedy speculation visits, and at every
+origin; the learning curves use the first 32).
+
+  python benchmarks/chain_acceptance_origins.py --num-prompts 32 --held-out-features WORK_DIR/held_out_features \
+      --result-file benchmarks/results/chain_acceptance_origins.json
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--stop-at-eos", action="store_true", help="default: ignore_eos, as bench_speculative.py")
+    p.add_argument("--held-out-features", default=None, metavar="DIR", help="also score the head on these feature shards")
+    p.add_argument("--held-out-seqs", type=int, default=32)
     p.add_argument("--result-file", default=None)
     return p.parse_args(argv)
 
@@ -137,9 +145,26 @@ def main(argv=None) -> int:
         for n in range(prompt_len, n_feat - k + 1):
             tallies["trainer_all_origins"].add("before_eos" if n < eos_at else "after_eos", length(drafts[n - 1].tolist(), n))
     engine.shutdown()
+    held_out = None
+    if args.held_out_features:
+        from tpspec.train.held_out_acceptance import HeldOutAcceptance
+        from tpspec.train.trainer import FeatureData
+
+        data, scores = FeatureData.load(args.held_out_features), HeldOutAcceptance(k)
+        for i in range(min(args.held_out_seqs, len(data.seqs))):
+            tok, feat, argmax, p = data.get(i)
+            origins = torch.arange(max(0, p - 1), len(tok) - k - 1)  # every label of a k-chain present
+            if len(origins):
+                with torch.no_grad():
+                    feats, ids, labels = build_chain_batch([(tok, feat, argmax)], k)
+                    outs = head(feats, F.embedding(ids, embed), k)
+                    scores.add(torch.stack([head.target_ids[head.lm_head(o[0, origins]).argmax(-1)] == labels[j, 0, origins]
+                                            for j, o in enumerate(outs)], 1))  # [origins, k]
+        held_out = {"features": args.held_out_features, "seqs": args.held_out_seqs, **scores.result()}
     result = {"machine": machine_info(), "head": head_folder, "k": k, "first_prompt": args.first_prompt,
               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "stop_at_eos": args.stop_at_eos,
-              "origins_with_equal_acceptance": same, **{name: t.result() for name, t in tallies.items()}}
+              "origins_with_equal_acceptance": same, **{name: t.result() for name, t in tallies.items()},
+              "held_out_features": held_out}
     print(json.dumps({n: v for n, v in result.items() if n != "machine"}, indent=1))
     if args.result_file:
         with open(args.result_file, "w") as f:
