@@ -19,7 +19,6 @@ class HeldOutAcceptance:
     """Accumulates per-sequence draft correctness and reports the acceptance figures."""
 
     def __init__(self, depth: int):
-        self.depth = depth
         self.all_lengths: list[int] = []
         self.visited_lengths: list[int] = []
         self.accepted = torch.zeros(depth)  # [depth] visited origins whose drafts 1 … j + 1 were all accepted
