@@ -24,8 +24,8 @@ import pytest
 from tests.models.test_eagle3 import write_eagle3
 from tests.models.test_mtp import write_mtp
 from tpspec import LLM, SamplingParams
-from tpspec.spec_decode import dflash
 from tpspec.spec_decode.controller import SpeculationLengthController
+from tpspec.spec_decode.speculator import DraftModelSpeculator
 from tpspec.worker.model_runner import ModelRunner
 
 PROMPTS = [
@@ -102,8 +102,8 @@ def _generate(target: str, tp: int, spec: dict | None, engine: dict) -> tuple[li
 
 
 def _run(key: tuple, target: str, drafters: dict, monkeypatch, roomy: bool = False) -> dict:
-    """key: (method, tp, flag, mode), mode "random" (random k), "random-cap" (random k, DFlash
-    writing deferred context past 2 tokens), "pinned" (k = K) or "adaptive"; ``roomy``: the ROOMY
+    """key: (method, tp, flag, mode), mode "random" (random k), "random-cap" (random k, the
+    drafter feeding its deferred rows past 2 tokens), "pinned" (k = K) or "adaptive"; ``roomy``: the ROOMY
     engine instead of ENGINE."""
     key = (*key, roomy)
     engine = ROOMY if roomy else ENGINE
@@ -116,7 +116,7 @@ def _run(key: tuple, target: str, drafters: dict, monkeypatch, roomy: bool = Fal
             spec = _spec(method, drafters, flag, **({"adaptive": False} if mode == "pinned" else {}))
             with monkeypatch.context() as m:
                 if mode == "random-cap":
-                    m.setattr(dflash, "MAX_DEFERRED_TOKENS", 2)
+                    m.setattr(DraftModelSpeculator, "max_deferred_tokens", 2)
                 if mode.startswith("random"):
                     m.setattr(SpeculationLengthController, "_rng", random.Random(7), raising=False)
                     m.setattr(SpeculationLengthController, "_adaptive_ks", _random_ks)
@@ -144,11 +144,13 @@ def test_random_k_is_lossless(case, tiny_llama, drafters, monkeypatch):
 @pytest.mark.parametrize(
     "case,mode",
     [("dflash-flag-tp1", "random"), ("dflash-flag-tp2", "random"), ("dflash-flag-tp1", "random-cap"),
-     ("eagle3-flag-tp1", "random"), ("eagle3-noflag-tp2", "random"), ("mtp-flag-tp1", "random")],
+     ("eagle3-flag-tp1", "random"), ("eagle3-noflag-tp2", "random"), ("eagle3-flag-tp1", "random-cap"),
+     ("mtp-flag-tp1", "random")],
 )
 def test_drafts_do_not_depend_on_earlier_k(case, mode, tiny_llama, drafters, monkeypatch):
-    """Whatever k a request had before (0 included: DFlash defers its context then, "random-cap"
-    makes it write it after 2 tokens), its drafter proposes what it would with k pinned."""
+    """Whatever k a request had before (0 included: DFlash and the chain heads defer their feed
+    then, "random-cap" makes them feed it after 2 tokens), its drafter proposes what it would
+    with k pinned."""
     method, tp, flag = CASES[case]
     random_run = _run((method, tp, flag, mode), tiny_llama, drafters, monkeypatch, roomy=True)
     pinned = _run((method, tp, flag, "pinned"), tiny_llama, drafters, monkeypatch, roomy=True)
@@ -175,3 +177,36 @@ def test_adaptive_controller_is_lossless(case, tiny_llama, drafters, monkeypatch
     assert s["speculation_length"] == "adaptive" and s["num_timed_steps"] > 0
     assert sum(s["num_speculative_tokens_histogram"]) > 0
     assert s["step_time_predicted_s_total"] > 0 and s["step_time_measured_s_total"] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_chain_head_step_without_drafts_runs_no_head(method, tiny_llama, drafters, monkeypatch):
+    """A step in which no decoding request proposes (k = 0 for all) costs the chain head nothing:
+    its rows wait (``DeferredRows``) and are fed with the step in which the request proposes."""
+    from tpspec.spec_decode.chain_head import ChainHeadProposer
+
+    calls = []  # per propose call: (anyone proposing, every sequence sampled, head forwards)
+    propose, run = ChainHeadProposer.propose, ChainHeadProposer._run
+
+    def counting_run(self, *args, **kwargs):
+        calls[-1][2] += 1
+        return run(self, *args, **kwargs)
+
+    def counting_propose(self, inp):
+        calls.append([any(inp.num_drafts), all(inp.sampled), 0])
+        return propose(self, inp)
+
+    def every_other_step(self, reqs, real_rows):  # random k, and k = 0 for all on every other step
+        self._step = getattr(self, "_step", 0) + 1
+        return _random_ks(self, reqs, real_rows) if self._step % 2 else [0] * len(reqs)
+
+    monkeypatch.setattr(ChainHeadProposer, "_run", counting_run)
+    monkeypatch.setattr(ChainHeadProposer, "propose", counting_propose)
+    monkeypatch.setattr(SpeculationLengthController, "_rng", random.Random(3), raising=False)
+    monkeypatch.setattr(SpeculationLengthController, "_adaptive_ks", every_other_step)
+    plain = _run((None, 1, False, "plain"), tiny_llama, drafters, monkeypatch, roomy=True)
+    tokens, _ = _generate(tiny_llama, 1, _spec(method, drafters, True), ROOMY)
+    assert tokens == plain["tokens"]
+    idle = [n for proposing, sampled, n in calls if not proposing and sampled]
+    assert len(idle) >= 5 and not any(idle)
+    assert any(n for proposing, _, n in calls if proposing)

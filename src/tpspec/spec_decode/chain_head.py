@@ -12,7 +12,12 @@ that feeds draft j with the previous row's pre-norm output in place of the targe
 The k − 1 chained rows sit at positions n … n + k − 2, inside the k lookahead slots the scheduler
 reserves.
 
-A partial prefill chunk ``x_s … x_e`` feeds rows s … e − 1 only: its last row needs x_{e+1},
+A sequence that proposes no drafts this step (k = 0) puts its refeed off: its rows wait on the
+rank (``DeferredRows``, at most ``max_deferred_tokens``) and are fed in one batch with the step
+in which it proposes again, so steps without speculation cost the head nothing, and its KV is
+complete whenever it drafts.
+
+A partial prefill chunk ``x_s … x_e`` feeds rows s … e − 1 only, at once: its last row needs x_{e+1},
 which the next chunk brings, and the target features of x_e are gone by then, so the draft KV
 of position e stays unwritten (a stale key for that sequence's later drafts; outputs are still
 verified by the target, so this costs acceptance, never correctness).
@@ -20,10 +25,21 @@ verified by the target, so this costs acceptance, never correctness).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+
+
+@dataclass
+class DeferredRows:
+    """Rows of one sequence the head has not fed yet (consecutive positions)."""
+
+    ids: list[int]  # [n] token t + 1 of row t
+    positions: list[int]  # [n]
+    features: list[torch.Tensor]  # per step deferred: [n_step, feature_width] target features
 
 
 class ChainHeadProposer(DraftModelSpeculator):
@@ -77,25 +93,41 @@ class ChainHeadProposer(DraftModelSpeculator):
     def propose(self, inp: DraftInput) -> DraftOutput:
         drafts: list[list[int]] = [[] for _ in inp.token_ids]
         dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
-        # 1. Refeed: row t = (features at t, token t + 1) at position t, for every kept t whose next token is known.
-        ids, positions, feature_rows, fed, lens = [], [], [], [], []
+        # 1. Refeed: row t = (features at t, token t + 1) at position t, for every kept t whose next
+        # token is known, of the proposing sequences (with what they deferred) and of partial
+        # prefill chunks; the other sequences defer theirs.
+        ids, positions, feature_chunks, fed, lens = [], [], [], [], []
+        deferred: list[DeferredRows | None] = [None] * len(inp.token_ids)
         offset = 0
         for i, tokens in enumerate(inp.token_ids):
             n = len(tokens) - 1  # rows with a known next token
-            if n > 0:
-                ids += tokens[1:]
-                positions += range(inp.start_pos[i], inp.start_pos[i] + n)
-                feature_rows += range(offset, offset + n)
-                fed.append(i)
-                lens.append(n)
+            features = inp.target_features[offset : offset + n]  # [n, F]
             offset += inp.num_context(i)
+            rows = DeferredRows(tokens[1:], list(range(inp.start_pos[i], inp.start_pos[i] + n)), [features])
+            backlog = inp.deferred[i] if inp.deferred is not None else None
+            if backlog is not None:  # extended in place: a step adds its rows, nothing is copied again
+                backlog.ids += rows.ids
+                backlog.positions += rows.positions
+                backlog.features.append(features)
+                rows = backlog
+            # A partial prefill chunk feeds now: its next chunk starts a row later (see above).
+            if inp.num_drafts[i] == 0 and inp.sampled[i] and len(rows.positions) <= self.max_deferred_tokens:
+                rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive
+                deferred[i] = rows if rows.positions else None
+                continue
+            if rows.positions:
+                ids += rows.ids
+                positions += rows.positions
+                feature_chunks += rows.features
+                fed.append(i)
+                lens.append(len(rows.positions))
         if not fed:
-            return DraftOutput(drafts, dists)
-        features = inp.target_features[torch.tensor(feature_rows, dtype=torch.int64, device=self.device)]  # [rows, F]
+            return DraftOutput(drafts, dists, deferred)
+        features = torch.cat(feature_chunks)  # [rows, F]
         normed, prenorm = self._run(ids, positions, self._hidden(features), lens, [inp.block_tables[i] for i in fed])
         rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
         if not rows:
-            return DraftOutput(drafts, dists)
+            return DraftOutput(drafts, dists, deferred)
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
         end_of = dict(zip(fed, ends))
         last = torch.tensor([end_of[i] for i in rows], device=self.device)
@@ -103,7 +135,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         # 2. Chain: draft j + 1 from a row at position n + j - 1 feeding draft j (n: the bonus token's position).
         pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
         if not any(num):
-            return DraftOutput(drafts, dists)
+            return DraftOutput(drafts, dists, deferred)
         drafting = [r for r, n in enumerate(num) if n]
         carried = prenorm if len(drafting) == len(num) else prenorm[torch.tensor(drafting, device=self.device)]
 
@@ -120,4 +152,4 @@ class ChainHeadProposer(DraftModelSpeculator):
         chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
             drafts[i], dists[i] = chain[r], chain_dists[r]
-        return DraftOutput(drafts, dists)
+        return DraftOutput(drafts, dists, deferred)

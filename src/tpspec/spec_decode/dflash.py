@@ -3,7 +3,7 @@
 Per step, the target features of the tokens each sequence just kept are turned into context K/V
 in the drafter's paged KV cache (same block tables as the target). A sequence that proposes no
 drafts this step (k = 0) puts that off: its features wait on the rank (``DeferredContext``, at
-most ``MAX_DEFERRED_TOKENS``) and are written in one batch with the step in which it proposes
+most ``max_deferred_tokens``) and are written in one batch with the step in which it proposes
 again, so steps without speculation cost the drafter nothing, and the invariant "draft KV valid
 below the target's computed tokens" holds whenever a block is drafted. Each proposing sequence
 then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the scheduler reserves
@@ -23,10 +23,6 @@ from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.dflash import DFlashConfig, DFlashDraftModel
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput, sampling_rows
-
-# Context tokens a sequence that proposes nothing may leave unwritten (the features wait on the
-# rank, 4 · capture layers · hidden size bytes each); past this they are written anyway.
-MAX_DEFERRED_TOKENS = 256
 
 
 @dataclass
@@ -104,7 +100,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                 backlog.positions += pos
                 backlog.slots += slots
                 chunks, pos, slots = backlog.features + chunks, backlog.positions, backlog.slots
-            if inp.num_drafts[i] == 0 and len(pos) <= MAX_DEFERRED_TOKENS:
+            if inp.num_drafts[i] == 0 and len(pos) <= self.max_deferred_tokens:
                 chunks[-1] = features.clone()  # a view would keep the step's captured hidden states alive
                 deferred[i] = DeferredContext(chunks, pos, slots) if pos else None
                 continue

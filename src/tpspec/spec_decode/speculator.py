@@ -93,6 +93,10 @@ class DraftOutput:
 
 
 class DraftModelSpeculator:
+    # Kept tokens a drafter that defers its feed (DFlash, the chain heads) lets one sequence that
+    # proposes nothing leave unfed (their target features wait on the rank, 4 · capture layers ·
+    # hidden size bytes each); past this they are fed anyway.
+    max_deferred_tokens: int = 256
     # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads, or
     # FINAL_HIDDEN for the target's final-norm output.
     capture_layers: tuple[int, ...] = ()

@@ -13,8 +13,8 @@
 * ``verify_jump``: what a step of decodes alone saves (one query per sequence, no verification),
   which a single draft anywhere in the step gives up; learned online;
 * ``feed(r)``: the drafter's work that does not depend on k, for r kept tokens (DFlash writes their
-  context K/V, EAGLE-3 refeeds them, a draft model runs them); DFlash defers it while no request
-  proposes (``DEFERRED_FEED_METHODS``), so such a step has no feed;
+  context K/V, EAGLE-3 and MTP refeed them, a draft model runs them); DFlash and the chain heads
+  defer it while no request proposes (``DEFERRED_FEED_METHODS``), so such a step has no feed;
 * ``draft(r)``: one drafting pass over r rows (forward, LM head and draft sampling). Which passes
   a choice of k per request makes depends on the method (``draft_passes``);
 * ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
@@ -34,7 +34,7 @@ import numpy as np
 # the context: a profile over empty contexts would underrate verifying drafts).
 PROFILE_CONTEXT = 256
 # Drafters that feed only the requests proposing drafts (the others' kept tokens wait until they do).
-DEFERRED_FEED_METHODS = ("dflash",)
+DEFERRED_FEED_METHODS = ("dflash", "eagle3", "eagle", "mtp")
 LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
 OVERHEAD_DECAY = 0.9
 
