@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative-config", default='{"method": "dflash", "num_speculative_tokens": 15}')
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop-at-eos", action="store_true", help="end a request at its end-of-sequence token (with --flowing)")
     p.add_argument("--first-prompt", type=int, default=64)
     p.add_argument("--flowing", type=int, default=None, metavar="N",
                    help="N prompts with at most c in flight, every step counted by kind (see above)")
@@ -98,7 +99,7 @@ def worker(args) -> None:
             engine.step()
         by_verified.clear()
         by_kind.clear()
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
         pending = list(prompts)
         while pending or engine.has_unfinished_requests():
             while pending and engine.get_stats()["num_running"] + engine.get_stats()["num_waiting"] < c:
@@ -133,6 +134,7 @@ def main(argv=None) -> int:
         for spec in ("null", args.speculative_config):
             cmd = [sys.executable, __file__, "--worker", f"{spec}|{c}", "--max-tokens", str(args.max_tokens),
                    "--first-prompt", str(args.first_prompt)] + (["--flowing", str(args.flowing)] if args.flowing else [])
+            cmd += ["--stop-at-eos"] if args.stop_at_eos else []
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-4000:])
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
                       f"| {k['total_s']:.2f} |")
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({"machine": machine_info(), "max_tokens": args.max_tokens, "flowing": args.flowing,
+            json.dump({"machine": machine_info(), "max_tokens": args.max_tokens, "stop_at_eos": args.stop_at_eos, "flowing": args.flowing,
                        "results": results}, f, indent=1)
     return 0
 
