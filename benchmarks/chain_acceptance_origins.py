@@ -139,28 +139,25 @@ def main(argv=None) -> int:
             if not s["drafts"] or n + k > n_feat:  # every label of the chain inside the traced sequence
                 continue
             part = "before_eos" if n < eos_at else "after_eos"
-            tallies["engine"].add(part, length(s["drafts"][:k], n))
-            tallies["trainer_at_engine_origins"].add(part, length(drafts[n - 1].tolist(), n))
-            same += int(length(s["drafts"][:k], n) == length(drafts[n - 1].tolist(), n))
+            served, trained = length(s["drafts"][:k], n), length(drafts[n - 1].tolist(), n)
+            tallies["engine"].add(part, served)
+            tallies["trainer_at_engine_origins"].add(part, trained)
+            same += int(served == trained)
         for n in range(prompt_len, n_feat - k + 1):
             tallies["trainer_all_origins"].add("before_eos" if n < eos_at else "after_eos", length(drafts[n - 1].tolist(), n))
     engine.shutdown()
     held_out = None
     if args.held_out_features:
-        from tpspec.train.held_out_acceptance import HeldOutAcceptance
+        import tempfile
+
+        from tpspec.train.eagle3_trainer import Eagle3Trainer
+        from tpspec.train.recipe import TrainConfig
         from tpspec.train.trainer import FeatureData
 
-        data, scores = FeatureData.load(args.held_out_features), HeldOutAcceptance(k)
-        for i in range(min(args.held_out_seqs, len(data.seqs))):
-            tok, feat, argmax, p = data.get(i)
-            origins = torch.arange(max(0, p - 1), len(tok) - k - 1)  # every label of a k-chain present
-            if len(origins):
-                with torch.no_grad():
-                    feats, ids, labels = build_chain_batch([(tok, feat, argmax)], k)
-                    outs = head(feats, F.embedding(ids, embed), k)
-                    scores.add(torch.stack([head.target_ids[head.lm_head(o[0, origins]).argmax(-1)] == labels[j, 0, origins]
-                                            for j, o in enumerate(outs)], 1))  # [origins, k]
-        held_out = {"features": args.held_out_features, "seqs": args.held_out_seqs, **scores.result()}
+        data = FeatureData.load(args.held_out_features)
+        with tempfile.TemporaryDirectory() as scratch:  # the trainer's out_dir; nothing is written
+            trainer = Eagle3Trainer(head, embed, data, data, TrainConfig(), scratch, k)
+            held_out = {"features": args.held_out_features, "seqs": args.held_out_seqs, **trainer.evaluate(args.held_out_seqs)}
     result = {"machine": machine_info(), "head": head_folder, "k": k, "first_prompt": args.first_prompt,
               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "stop_at_eos": args.stop_at_eos,
               "origins_with_equal_acceptance": same, **{name: t.result() for name, t in tallies.items()},
