@@ -14,7 +14,7 @@ from tpspec.bench.server_options import ServerOptions
 from tpspec.distributed.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
 from tpspec.server.args import API_KEY_ENV, add_serve_args
-from tpspec.train.recipe import AUTOCAST_OPTIONS, CODE_SOURCES, FEATURE_DTYPES, LOSS_VOCABS, TRAIN_METHODS, DraftRecipe, TrainConfig
+from tpspec.train.recipe import AUTOCAST_OPTIONS, CODE_SOURCES, FEATURE_DTYPES, LOSS_VOCABS, TRAIN_DEVICES, TRAIN_METHODS, DraftRecipe, TrainConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -168,11 +168,12 @@ def _train_draft(args: argparse.Namespace) -> int:
         num_layers=args.num_layers, block_size=args.block_size, mask_token_id=args.mask_token_id,
         target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
         init_from_target=not args.random_init, code_sources=tuple(args.code_sources), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-        text_tokens=args.text_tokens, feature_dtype=args.feature_dtype,
+        text_tokens=args.text_tokens, feature_dtype=args.feature_dtype, max_num_seqs=args.max_num_seqs,
     )
     cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
                       lr=args.lr, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, seed=args.seed,
-                      loss_vocab=args.loss_vocab, warmup_steps=args.warmup_steps, autocast=args.autocast)
+                      loss_vocab=args.loss_vocab, warmup_steps=args.warmup_steps, autocast=args.autocast,
+                      device=args.device)
     last = train_draft(args.work_dir, args.output, args.model, recipe, cfg)
     sys.stdout.write(json.dumps(last, indent=2) + "\n")
     return 0
@@ -201,6 +202,9 @@ def add_train_draft_parser(sub) -> None:
     t.add_argument("--text-tokens", type=int, default=r.text_tokens, help="tokens of the code sources' files used as real text")
     t.add_argument("--feature-dtype", choices=FEATURE_DTYPES, default=r.feature_dtype,
                    help="dtype of the target forward that makes the features and labels")
+    t.add_argument("--max-num-seqs", type=int, default=r.max_num_seqs, help="concurrent sequences while generating continuations")
+    t.add_argument("--device", choices=TRAIN_DEVICES, default=c.device,
+                   help="where generation, target features and training run (auto: CUDA when available)")
     t.add_argument("--steps", type=int, default=c.steps)
     t.add_argument("--seqs-per-step", type=int, default=c.seqs_per_step)
     t.add_argument("--anchors-per-seq", type=int, default=c.anchors_per_seq)

@@ -5,16 +5,21 @@ drafter trains on the inputs and logits the serving engine gives it."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from tests.train.cut_run import uncut_and_resumed
+from tests.train.cut_run import DATA_FOLDERS, uncut_and_resumed
 from tpspec.train import data
 from tpspec.train.data import code_prompts, humaneval_signatures, python_files, text_shards
 from tpspec.train.dflash_trainer import DFlashTrainer, build_blocks
 from tpspec.train.recipe import DraftRecipe, TrainConfig
-from tpspec.train.train_draft import train_draft
+from tpspec.train.train_draft import build_trainer, train_draft
+from tpspec.train.trainer import resolve_train_device
 
 
 def test_stdlib_prompts_leave_humaneval_out():
@@ -149,3 +154,49 @@ def test_the_labels_loss_vocabulary_holds_every_label(tiny_llama, tmp_path, monk
     assert math.isfinite(trainer.train_step())
     with pytest.raises(ValueError, match="loss_vocab"):
         dataclasses.replace(CFG, loss_vocab="top-k")
+    # a work dir's shards hold 256 prompts each: a recipe that would cut them otherwise is refused
+    with pytest.raises(ValueError, match="generation_shard_size"):
+        train_draft(str(tmp_path / "w"), str(tmp_path / "out"), tiny_llama, dataclasses.replace(RECIPE, max_num_seqs=300),
+                    cfg, PROMPTS, PROMPTS[:1])
+
+
+def test_generation_stops_at_its_deadline_and_a_rerun_resumes(tiny_llama, tmp_path, monkeypatch):
+    engine = dict(model=tiny_llama, dtype="float32", max_num_seqs=4)
+
+    def generate(folder, deadline=None):
+        return data.generate_shards(str(folder), PROMPTS, shard_size=1, max_tokens=8, engine_args=engine, deadline=deadline)
+
+    assert generate(tmp_path / "uncut") == 3
+    ticks = iter([0.0, 1.0])  # the clock as each shard starts: the second starts past the deadline
+    monkeypatch.setattr(data, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
+    assert generate(tmp_path / "cut", deadline=0.5) == 1
+    assert sorted(os.listdir(tmp_path / "cut")) == ["shard_00000.pt"]
+    monkeypatch.undo()
+    assert generate(tmp_path / "cut") == 3
+    for name in sorted(os.listdir(tmp_path / "uncut")):
+        assert torch.load(tmp_path / "cut" / name) == torch.load(tmp_path / "uncut" / name)
+
+
+def test_a_run_stopped_at_its_deadline_resumes_to_the_uncut_weights(tiny_llama, tmp_path):
+    def trainer(folder):
+        return build_trainer(str(tmp_path / folder), tiny_llama, RECIPE, CFG, PROMPTS, PROMPTS[:1])
+
+    uncut = trainer("a").run(export_dir=str(tmp_path / "a-out"))
+    for name in DATA_FOLDERS:
+        shutil.copytree(tmp_path / "a" / name, tmp_path / "b" / name)
+    stopped = trainer("b").run(export_dir=str(tmp_path / "b-out"), deadline=0.0)  # long past
+    assert stopped["step"] == 1 and os.path.exists(tmp_path / "b" / "checkpoint.pt")
+    assert os.path.exists(tmp_path / "b-out" / "model.safetensors")
+    resumed = trainer("b").run(export_dir=str(tmp_path / "b-out"))
+    assert resumed["step"] == uncut["step"] == CFG.steps
+    a, b = load_file(str(tmp_path / "a-out" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_training_device_is_validated():
+    with pytest.raises(ValueError, match="device"):
+        TrainConfig(device="tpu")
+    assert resolve_train_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_train_device("cuda")

@@ -27,15 +27,15 @@ from tpspec.train.trainer import DraftTrainer, FeatureData
 def build_chain_batch(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], depth: int):
     """Batch tensors for whole sequences (tokens [n], features [n, F], argmax [n]).
 
-    Returns features [B, T, F], input_ids [B, T + depth] (zero-padded) and labels [depth, B, T]:
-    the target id step j's row t must draft, −100 where there is none."""
+    Returns features [B, T, F] (the sequences' dtype), input_ids [B, T + depth] (zero-padded) and
+    labels [depth, B, T]: the target id step j's row t must draft, −100 where there is none."""
     b, t_max = len(seqs), max(len(tok) for tok, _, _ in seqs)
-    features = torch.zeros(b, t_max, seqs[0][1].shape[-1], dtype=torch.float32)
+    features = torch.zeros(b, t_max, seqs[0][1].shape[-1], dtype=seqs[0][1].dtype)
     input_ids = torch.zeros(b, t_max + depth, dtype=torch.int64)
     labels = torch.full((depth, b, t_max), -100, dtype=torch.int64)
     for i, (tok, feat, argmax) in enumerate(seqs):
         n = len(tok)
-        features[i, :n] = feat.float()
+        features[i, :n] = feat
         input_ids[i, :n] = tok
         agree = torch.zeros(n + depth, dtype=torch.bool)
         agree[: n - 1] = tok[1:] == argmax[:-1]  # token s + 1 is the target's prediction at s
@@ -64,9 +64,9 @@ class ChainTrainer(DraftTrainer):
         depth: int,  # chain steps trained per origin (EAGLE-3's training-time test)
     ):
         super().__init__(model, train, held_out, cfg, out_dir)
-        self.embed = embed_weight.float()
+        self.embed = embed_weight.float().to(self.device)
         self.depth = depth
-        self.step_weight = torch.exp(-torch.arange(depth) / cfg.loss_decay_gamma)  # [depth]
+        self.step_weight = torch.exp(-torch.arange(depth) / cfg.loss_decay_gamma).to(self.device)  # [depth]
 
     def classes(self, labels: torch.Tensor) -> torch.Tensor:
         """labels: target ids, −100 for none [n] -> class ids, −100 for none or outside [n]."""
@@ -81,8 +81,8 @@ class ChainTrainer(DraftTrainer):
         raise NotImplementedError
 
     def _forward(self, seqs):
-        features, input_ids, labels = build_chain_batch(seqs, self.depth)
-        return self.model(features, F.embedding(input_ids, self.embed), self.depth), labels
+        features, input_ids, labels = (t.to(self.device) for t in build_chain_batch(seqs, self.depth))
+        return self.model(features.float(), F.embedding(input_ids, self.embed), self.depth), labels
 
     def batch_loss(self) -> tuple[torch.Tensor, int]:
         seqs = []
@@ -115,5 +115,5 @@ class ChainTrainer(DraftTrainer):
                 continue
             outs, labels = self._forward([(tok, feat, argmax)])
             scores.add(torch.stack([self.predict(normed[0, origins]) == labels[j, 0, origins] for j, normed in enumerate(outs)],
-                                   dim=1))  # [origins, depth]
+                                   dim=1).cpu())  # [origins, depth]
         return scores.result()

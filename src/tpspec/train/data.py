@@ -14,6 +14,7 @@ Stages, each resumable (a stage writes numbered shard files atomically and skips
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import json
 import logging
@@ -21,6 +22,8 @@ import os
 import random
 import sysconfig
 import textwrap
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -87,26 +90,33 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _file_prompts(path: str, held_out: frozenset[str]) -> list[str]:
+    """One file's documented functions as prompts, in the order ``ast.walk`` meets them."""
+    text = _read(path)
+    try:
+        tree = ast.parse(text) if text is not None else None
+    except (SyntaxError, ValueError, RecursionError):
+        return []
+    found = []
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in held_out:
+            prompt = _function_prompt(text, node)
+            if prompt is not None:
+                found.append(prompt)
+    return found
+
+
 def code_prompts(sources: tuple[str, ...] = ("stdlib",), seed: int = 0) -> list[str]:
     """Every documented function of the sources as a HumanEval-shaped prompt: each source's
-    shuffled, one source after another (so adding a source keeps the earlier prompts' order)."""
-    held_out = _humaneval_entry_points()
+    shuffled, one source after another (so adding a source keeps the earlier prompts' order).
+    Files are parsed on every core (tens of thousands of them in a large environment)."""
+    parse = functools.partial(_file_prompts, held_out=frozenset(_humaneval_entry_points()))
     prompts: list[str] = []
-    for source in sources:
-        found = []
-        for path in python_files(source):
-            text = _read(path)
-            try:
-                tree = ast.parse(text) if text is not None else None
-            except (SyntaxError, ValueError):
-                tree = None
-            for node in ast.walk(tree) if tree is not None else ():
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in held_out:
-                    prompt = _function_prompt(text, node)
-                    if prompt is not None:
-                        found.append(prompt)
-        random.Random(seed).shuffle(found)
-        prompts += found
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        for source in sources:
+            found = [p for file_prompts in pool.map(parse, python_files(source), chunksize=64) for p in file_prompts]
+            random.Random(seed).shuffle(found)
+            prompts += found
     return prompts
 
 
@@ -159,29 +169,36 @@ def generate_shards(
     shard_size: int = 256,
     max_tokens: int = 128,
     engine_args: dict | None = None,
-) -> None:
-    """Greedy continuations, ``shard_size`` prompts per shard: {"prompt_ids", "output_ids"} lists."""
+    deadline: float | None = None,
+) -> int:
+    """Greedy continuations, ``shard_size`` prompts per shard: {"prompt_ids", "output_ids"} lists.
+    ``deadline`` (a ``time.monotonic()`` value): start no shard after it; a rerun resumes. Returns
+    how many prompts, from the first, have their shard written."""
     from tpspec.llm import LLM
     from tpspec.sampling_params import SamplingParams
 
     os.makedirs(folder, exist_ok=True)
     num_shards = (len(prompts) + shard_size - 1) // shard_size
     todo = [i for i in range(num_shards) if not os.path.exists(_shard_path(folder, i))]
-    if not todo:
-        return
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    with LLM(**(engine_args or {})) as llm:
-        for i in tqdm(todo, desc="generating continuations (shards)"):
-            outs = llm.generate(prompts[i * shard_size : (i + 1) * shard_size], params, use_tqdm=False)
-            _save_atomic(
-                {"prompt_ids": [o.prompt_token_ids for o in outs], "output_ids": [list(o.outputs[0].token_ids) for o in outs]},
-                _shard_path(folder, i),
-            )
+    if todo:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        with LLM(**(engine_args or {})) as llm:
+            for i in tqdm(todo, desc="generating continuations (shards)"):
+                if deadline is not None and time.monotonic() > deadline:
+                    logger.info("generation stopped at its deadline (shard %d of %d); rerun to resume", i, num_shards)
+                    break
+                outs = llm.generate(prompts[i * shard_size : (i + 1) * shard_size], params, use_tqdm=False)
+                _save_atomic(
+                    {"prompt_ids": [o.prompt_token_ids for o in outs], "output_ids": [list(o.outputs[0].token_ids) for o in outs]},
+                    _shard_path(folder, i),
+                )
+    done = next((i for i in range(num_shards) if not os.path.exists(_shard_path(folder, i))), num_shards)
+    return min(len(prompts), done * shard_size)
 
 
 def feature_shards(
     gen_folder: str, folder: str, model_folder: str, target_layer_ids: tuple[int, ...], batch_tokens: int = 4096,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
 ) -> None:
     """Per generated shard: tokens, the target's features (bfloat16) and argmax."""
     from tpspec.train.target_features import TargetFeatureExtractor
@@ -191,7 +208,7 @@ def feature_shards(
     todo = [f for f in gen if not os.path.exists(os.path.join(folder, f))]
     if not todo:
         return
-    extractor = TargetFeatureExtractor(model_folder, target_layer_ids, dtype)
+    extractor = TargetFeatureExtractor(model_folder, target_layer_ids, dtype, device)
     for name in tqdm(todo, desc="target features (shards)"):
         shard = torch.load(os.path.join(gen_folder, name))
         seqs = [p + o for p, o in zip(shard["prompt_ids"], shard["output_ids"]) if o]
@@ -204,8 +221,8 @@ def feature_shards(
                 continue
             if batch:
                 f, p = extractor(batch)
-                feats.append(f.to(torch.bfloat16))
-                preds.append(p.to(torch.int32))
+                feats.append(f.to("cpu", torch.bfloat16))
+                preds.append(p.to("cpu", torch.int32))
             batch = [seq] if seq is not None else []
         _save_atomic(
             {

@@ -91,7 +91,7 @@ class DFlashTrainModel(nn.Module):
         """Write ``config.json`` and ``model.safetensors`` in the public DFlash layout."""
         cfg, a = self.config, self.config.arch
         os.makedirs(folder, exist_ok=True)
-        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         config = {
             "architectures": ["DFlashDraftModel"],

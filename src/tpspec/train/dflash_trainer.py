@@ -133,20 +133,20 @@ class DFlashTrainer(DraftTrainer):
         logit_soft_cap: float | None = None,  # the target's final-logit soft cap
     ):
         super().__init__(model, train, held_out, cfg, out_dir)
-        self.embed = embed_weight.float()
-        self.lm_head = lm_head_weight.to(torch.bfloat16)
+        self.embed = embed_weight.float().to(self.device)
+        self.lm_head = lm_head_weight.to(self.device, torch.bfloat16)
         self.logit_soft_cap = logit_soft_cap
         # The loss's vocabulary: its token ids [loss_vocab_size], their LM-head rows, and each
         # token id's index in it [vocab_size] (-100 for tokens outside).
         vocab = lm_head_weight.shape[0]
         full = cfg.loss_vocab == "full"
-        self.loss_ids = torch.arange(vocab) if full else train.label_ids()
+        self.loss_ids = (torch.arange(vocab) if full else train.label_ids()).to(self.device)
         self.loss_head = self.lm_head if full else self.lm_head[self.loss_ids]
-        self.loss_index = torch.full((vocab,), -100, dtype=torch.int64)
-        self.loss_index[self.loss_ids] = torch.arange(len(self.loss_ids))
+        self.loss_index = torch.full((vocab,), -100, dtype=torch.int64, device=self.device)
+        self.loss_index[self.loss_ids] = torch.arange(len(self.loss_ids), device=self.device)
         bs = model.config.block_size
         self.max_anchor = model.config.arch.max_position_embeddings - bs  # last block position < max
-        self.pos_weight = torch.exp(-(torch.arange(bs) - 1).clamp(min=0) / cfg.loss_decay_gamma)  # [block_size]
+        self.pos_weight = torch.exp(-(torch.arange(bs) - 1).clamp(min=0) / cfg.loss_decay_gamma).to(self.device)  # [block_size]
 
     # ---- one step ----------------------------------------------------------------------------
     def _sample_batch(self):
@@ -160,7 +160,7 @@ class DFlashTrainer(DraftTrainer):
                 continue
             k = min(self.cfg.anchors_per_seq, hi - lo + 1)
             batch.append((tok, feat, argmax, sorted(self.rng.sample(range(lo, hi + 1), k))))
-        return build_blocks(batch, bs, self.model.config.mask_token_id)
+        return tuple(t.to(self.device) for t in build_blocks(batch, bs, self.model.config.mask_token_id))
 
     def _logits(self, hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [rows, H] -> [rows, vocab] float32 through the frozen LM head (bfloat16 matmul)
@@ -194,9 +194,10 @@ class DFlashTrainer(DraftTrainer):
                 continue
             ok = []
             for chunk in range(0, len(anchors), 32):
-                f, cp, ids, bp, mask, labels = build_blocks([(tok, feat, argmax, anchors[chunk : chunk + 32])], bs, self.model.config.mask_token_id)
+                blocks = build_blocks([(tok, feat, argmax, anchors[chunk : chunk + 32])], bs, self.model.config.mask_token_id)
+                f, cp, ids, bp, mask, labels = (t.to(self.device) for t in blocks)
                 hidden = self.model(f, cp, F.embedding(ids, self.embed), bp, mask)[0]  # [Q, H]
                 pred = self._logits(hidden).argmax(-1).view(-1, bs)[:, 1:]  # [anchors, bs − 1]
                 ok.append(pred == labels[0].view(-1, bs)[:, 1:])
-            scores.add(torch.cat(ok))
+            scores.add(torch.cat(ok).cpu())
         return scores.result()

@@ -61,7 +61,7 @@ class Eagle3TrainModel(nn.Module):
 
     @property
     def target_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size) + self.d2t
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(
         self,
@@ -93,9 +93,9 @@ class Eagle3TrainModel(nn.Module):
         """Write ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout."""
         cfg, a = self.config, self.config.arch
         os.makedirs(folder, exist_ok=True)
-        tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v).cpu().contiguous() for k, v in self.state_dict().items()}
         t2d = torch.zeros(a.vocab_size, dtype=torch.bool)
-        t2d[self.target_ids] = True
+        t2d[self.target_ids.cpu()] = True
         tensors["t2d"] = t2d  # [vocab_size] target id -> in the draft vocabulary (EAGLE's reader wants it)
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         config = {

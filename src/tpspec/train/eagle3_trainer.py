@@ -48,8 +48,8 @@ class Eagle3Trainer(ChainTrainer):
 
     def _index_draft_vocab(self) -> None:
         """target id -> draft id (−100 outside) [vocab], from the head's own ``d2t``."""
-        self.draft_index = torch.full((self.embed.shape[0],), -100, dtype=torch.int64)
-        self.draft_index[self.model.target_ids] = torch.arange(self.model.config.draft_vocab_size)
+        self.draft_index = torch.full((self.embed.shape[0],), -100, dtype=torch.int64, device=self.device)
+        self.draft_index[self.model.target_ids] = torch.arange(self.model.config.draft_vocab_size, device=self.device)
 
     def maybe_resume(self) -> bool:
         # A checkpoint's head keeps its draft vocabulary even when the data (hence the vocabulary

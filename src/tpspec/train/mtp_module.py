@@ -73,7 +73,7 @@ class MTPTrainModel(nn.Module):
         ``model.safetensors`` holding ``model.layers.{num_hidden_layers}.*``."""
         os.makedirs(folder, exist_ok=True)
         prefix = f"model.layers.{self.config.first_layer}."
-        tensors = {prefix + k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()
+        tensors = {prefix + k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()
                    if not k.startswith("rotary.")}
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         config = dict(self.target_config, num_nextn_predict_layers=1, torch_dtype=str(dtype).removeprefix("torch."))

@@ -28,11 +28,11 @@ class MTPTrainer(ChainTrainer):
         depth: int,
     ):
         super().__init__(model, embed_weight, train, held_out, cfg, out_dir, depth)
-        self.head = head_weight.float()
+        self.head = head_weight.float().to(self.device)
         vocab = self.head.shape[0]
-        class_ids = train.label_ids() if cfg.loss_vocab == "labels" else torch.arange(vocab)  # [num_classes]
-        self.class_index = torch.full((vocab,), -100, dtype=torch.int64)  # target id -> class id
-        self.class_index[class_ids] = torch.arange(len(class_ids))
+        class_ids = (train.label_ids() if cfg.loss_vocab == "labels" else torch.arange(vocab)).to(self.device)  # [num_classes]
+        self.class_index = torch.full((vocab,), -100, dtype=torch.int64, device=self.device)  # target id -> class id
+        self.class_index[class_ids] = torch.arange(len(class_ids), device=self.device)
         self.class_head = self.head[class_ids]  # [num_classes, H]
 
     def classes(self, labels: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ TRAIN_METHODS = ("dflash", "eagle3", "mtp")
 # EAGLE-3 step on AVX512-BF16, benchmarks/README.md), else none (float32 throughout)
 AUTOCAST_OPTIONS = ("auto", "bfloat16", "none")
 FEATURE_DTYPES = ("float32", "float16", "bfloat16")
+# where every stage runs (generation, target features, training): "auto" is CUDA when available
+TRAIN_DEVICES = ("auto", "cpu", "cuda")
 # where training prompts and real text come from: the standard library, the installed packages' sources
 CODE_SOURCES = ("stdlib", "site-packages")
 
@@ -34,7 +36,7 @@ class DraftRecipe:
     num_prompts: int | None = 512  # training prompts whose continuations are generated (None: all)
     max_tokens: int = 128  # continuation length per prompt
     text_tokens: int = 131_072  # real-text tokens (0: none)
-    generation_dtype: str = "bfloat16"
+    generation_dtype: str = "auto"  # the engine's --dtype: float32 on CPU, bfloat16 on CUDA
     # the target forward that makes features and labels (float16: 1.5x float32 on AVX-512 with
     # 99.8 % of argmax labels equal; bfloat16 2x with 98.3 %; benchmarks/README.md)
     feature_dtype: str = "float32"
@@ -72,6 +74,7 @@ class TrainConfig:
     loss_vocab: str = "full"
     autocast: str = "auto"  # the training forward and backward's matrix products (AUTOCAST_OPTIONS)
     grad_clip: float = 1.0
+    device: str = "auto"  # TRAIN_DEVICES
     checkpoint_every: int = 100
     eval_every: int = 250
     seed: int = 0
@@ -83,6 +86,8 @@ class TrainConfig:
                 raise ValueError(f"train config {name} must be a positive integer, got {v!r}")
         if self.loss_vocab not in LOSS_VOCABS:
             raise ValueError(f"train config loss_vocab must be one of {LOSS_VOCABS}, got {self.loss_vocab!r}")
+        if self.device not in TRAIN_DEVICES:
+            raise ValueError(f"train config device must be one of {TRAIN_DEVICES}, got {self.device!r}")
         if self.autocast not in AUTOCAST_OPTIONS:
             raise ValueError(f"train config autocast must be one of {AUTOCAST_OPTIONS}, got {self.autocast!r}")
         if not self.lr > 0:

@@ -58,8 +58,20 @@ class FeatureData:
         return shard["tokens"][sl].long(), shard["features"][sl], shard["argmax"][sl].long(), p
 
 
-def resolve_autocast(option: str) -> torch.dtype | None:
-    """``TrainConfig.autocast`` -> the autocast dtype of the training step, None for float32."""
+def resolve_train_device(option: str) -> torch.device:
+    """``TrainConfig.device`` -> the device every stage runs on."""
+    if option == "auto":
+        option = "cuda" if torch.cuda.is_available() else "cpu"
+    if option == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train config device='cuda' but no CUDA device is available")
+    return torch.device(option)
+
+
+def resolve_autocast(option: str, device: torch.device) -> torch.dtype | None:
+    """``TrainConfig.autocast`` -> the autocast dtype of the training step, None for float32
+    ("auto": bfloat16 on CUDA, and on a CPU that multiplies it natively)."""
+    if option == "auto" and device.type == "cuda":
+        return torch.bfloat16
     if option == "auto":
         from tpspec.cpu_features import BFLOAT16_ISA, cpu_model_and_isa
 
@@ -71,7 +83,8 @@ class DraftTrainer:
     name = "drafter"  # for the progress bar
 
     def __init__(self, model: torch.nn.Module, train: FeatureData, held_out: FeatureData, cfg: TrainConfig, out_dir: str):
-        self.model, self.cfg, self.out_dir = model, cfg, out_dir
+        self.device = resolve_train_device(cfg.device)
+        self.model, self.cfg, self.out_dir = model.to(self.device), cfg, out_dir
         self.train_data, self.held_out = train, held_out
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -81,7 +94,7 @@ class DraftTrainer:
         self.loss_avg: float | None = None  # running mean of the training loss
         self.curve: list[dict] = []
         self.rng = random.Random(cfg.seed)
-        self.autocast = resolve_autocast(cfg.autocast)
+        self.autocast = resolve_autocast(cfg.autocast, self.device)
 
     # ---- what a method defines ---------------------------------------------------------------
     def batch_loss(self) -> tuple[torch.Tensor, int]:
@@ -112,13 +125,13 @@ class DraftTrainer:
     def maybe_resume(self) -> bool:
         if not os.path.exists(self._ckpt_path()):
             return False
-        ck = torch.load(self._ckpt_path(), weights_only=False)
+        ck = torch.load(self._ckpt_path(), weights_only=False, map_location=self.device)
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["opt"])
         self.step, self.tokens_seen, self.curve = ck["step"], ck["tokens_seen"], ck["curve"]
         self.loss_avg = ck["loss_avg"]
         self.rng.setstate(ck["rng"])
-        torch.set_rng_state(ck["torch_rng"])
+        torch.set_rng_state(ck["torch_rng"].cpu())
         logger.info("resumed at step %d (%d training tokens)", self.step, self.tokens_seen)
         return True
 
@@ -132,7 +145,7 @@ class DraftTrainer:
 
     def train_step(self) -> float:
         self.model.train()
-        with contextlib.nullcontext() if self.autocast is None else torch.autocast("cpu", dtype=self.autocast):
+        with contextlib.nullcontext() if self.autocast is None else torch.autocast(self.device.type, dtype=self.autocast):
             loss, tokens = self.batch_loss()
         for g in self.opt.param_groups:
             g["lr"] = self._lr()
@@ -145,7 +158,9 @@ class DraftTrainer:
         return float(loss.detach())
 
     # ---- the loop ----------------------------------------------------------------------------
-    def run(self, export_dir: str | None = None, eval_seqs: int | None = 32) -> dict:
+    def run(self, export_dir: str | None = None, eval_seqs: int | None = 32, deadline: float | None = None) -> dict:
+        """Train to ``cfg.steps`` (resuming a checkpoint); ``deadline`` (``time.monotonic()``): stop
+        at the first step after it, evaluated, checkpointed and exported, as a rerun resumes it."""
         self.maybe_resume()
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc=f"training {self.name}")
         last = self.curve[-1] if self.curve else {}
@@ -154,7 +169,8 @@ class DraftTrainer:
             loss = self.train_step()
             self.loss_avg = loss if self.loss_avg is None else 0.95 * self.loss_avg + 0.05 * loss
             bar.update(1)
-            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
+            stop = self.step == self.cfg.steps or (deadline is not None and time.monotonic() > deadline)
+            if self.step % self.cfg.eval_every == 0 or stop:
                 ev = self.evaluate(eval_seqs)
                 last = {"step": self.step, "training_tokens": self.tokens_seen, "loss": self.loss_avg,
                         "held_out_acceptance_length": ev["acceptance_length"],
@@ -164,9 +180,11 @@ class DraftTrainer:
                 self.curve.append(last)
                 logger.info("step %d: %s", self.step, last)
             bar.set_postfix(loss=f"{self.loss_avg:.3f}", held_out_al=f"{last.get('held_out_acceptance_length', float('nan')):.3f}")
-            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+            if self.step % self.cfg.checkpoint_every == 0 or stop:
                 self.save_checkpoint()
                 if export_dir is not None:
                     self.model.save_pretrained(export_dir)
+            if stop:
+                break
         bar.close()
         return last
