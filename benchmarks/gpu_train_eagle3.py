@@ -109,15 +109,14 @@ def train(args, summary: dict, t0: float) -> str:
     summary.update(trained_steps=trainer.step, training_s=time.monotonic() - t0 - summary["data_ready_s"], last=last,
                    learning_curve=trainer.curve)
     summary["held_out_all"] = trainer.evaluate(None)  # every held-out continuation
-    for name in ("config.json",):
-        shutil.copy(os.path.join(head, name), args.out)
+    shutil.copy(os.path.join(head, "config.json"), args.out)
     summary["weight_parts"] = split_file(os.path.join(head, "model.safetensors"), args.out)
     shutil.copy(os.path.join(args.work_dir, "draft_vocab.json"), args.out)
     return head
 
 
 def engine_check(args, head: str, summary: dict) -> None:
-    from bench_speculative import SPEC_COUNTERS, run_level
+    from bench_speculative import run_level, spec_delta
     from tpspec.bench.datasets import humaneval_prompts
     from tpspec.engine.llm_engine import LLMEngine
     from tpspec.sampling_params import SamplingParams
@@ -133,9 +132,8 @@ def engine_check(args, head: str, summary: dict) -> None:
             before = engine.get_stats()
             res = {1: run_level(engine, prompts[: args.check_c1_prompts], 1, params),
                    len(prompts): run_level(engine, prompts, len(prompts), params)}
-            stats = engine.get_stats()
-            if "num_drafts" in stats:
-                d = {k: stats[k] - before[k] for k in SPEC_COUNTERS}
+            d = spec_delta(before, engine.get_stats())
+            if d:
                 res["acceptance_length"] = 1 + d["num_accepted_tokens"] / max(1, d["num_drafts"])
             runs[name] = res
         finally:
