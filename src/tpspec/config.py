@@ -17,8 +17,10 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_DTYPES = ("auto", *MODEL_DTYPES)  # "auto": resolve_dtype picks one for the device
 SAMPLING_MODES = ("gathered", "vocab-parallel")
 # Weight formats of ``--quantization`` (None: the weights in ``dtype``). "fp16": a float32 model's
-# linear weights stored in float16 and multiplied in float32 by fbgemm (CPU; layers.linear).
-QUANTIZATION_METHODS = ("fp16",)
+# linear weights stored in float16 and multiplied in float32 by fbgemm (CPU; layers.linear). "q4_1":
+# those weights that are exactly llama.cpp's Q4_1 (the default model's layers) kept 4-bit and
+# multiplied in float32 by tpspec's kernel (CPU with AVX2; layers.q4_1), the others as "fp16".
+QUANTIZATION_METHODS = ("fp16", "q4_1")
 QUANTIZATION_OPTIONS = ("auto", "none", *QUANTIZATION_METHODS)  # "auto": resolve_quantization picks
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -425,6 +427,9 @@ class EngineConfig:
         if self.quantization == "fp16" and self.dtype != "float32":
             raise ValueError(f"quantization='fp16' stores a float32 model's weights in float16 (activations stay "
                              f"float32), got dtype={self.dtype!r}; use dtype='float32', or dtype='float16' alone")
+        if self.quantization == "q4_1" and self.dtype != "float32":
+            raise ValueError(f"quantization='q4_1' multiplies float32 activations by a float32 model's Q4_1 weights, "
+                             f"got dtype={self.dtype!r}; use dtype='float32'")
         if self.sampling_mode == "vocab-parallel" and self.arch.vocab_size >= 2**24:
             raise ValueError(
                 f"sampling_mode='vocab-parallel' needs vocab_size < 2**24 (token ids are exchanged as "

@@ -2,7 +2,8 @@
 weights stored in float16 and multiplied in float32 (fbgemm). It is the float32 engine on weights
 rounded to float16 (logprobs within float32 rounding of that engine's, apart from the unrounded
 one's), and keeps the invariants: TP 2 gives TP 1's greedy and seeded tokens, speculative decoding
-with the flag on gives plain decoding's."""
+with the flag on gives plain decoding's. ``quantization="q4_1"``: weights that are exactly Q4_1
+kept 4-bit; the float32 engine on the same weights, with the same invariants."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from safetensors.torch import load_file, save_file
 from tpspec import LLM, SamplingParams
 from tpspec.config import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
+from tpspec.layers.q4_1 import q4_1_unavailable
 
 pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
+needs_q4_1_kernel = pytest.mark.skipif(q4_1_unavailable() is not None, reason="no Q4_1 kernel here")
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown", "import"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -71,11 +74,60 @@ def test_fp16_weights_keep_tp_and_speculative_invariants(tiny_llama, tiny_dflash
     assert spec2["seeded"] == spec1["seeded"]
 
 
+@pytest.fixture(scope="module")
+def q4_1_llama(tiny_llama, tmp_path_factory) -> str:
+    """tiny_llama with its layers' weights made exactly Q4_1 (per 32 inputs, w = d·q + m) with d a
+    power of two and m a multiple of d, so that they are exactly float16 too: the Q4_1 kernel, fbgemm's
+    float16 GEMM (more rows, and the shards of 48 columns at TP 2) and float32 read the same weights;
+    the LM head rounded to float16."""
+    folder = str(tmp_path_factory.mktemp("tiny-llama-q4_1"))
+    for name in os.listdir(tiny_llama):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(tiny_llama, name), folder)
+    weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for k, v in weights.items():
+        if k.endswith("proj.weight"):
+            groups = v.shape[1] // 32
+            d = 2.0 ** -torch.randint(5, 8, (v.shape[0], groups, 1), generator=g)
+            m = -torch.randint(0, 12, (v.shape[0], groups, 1), generator=g) * d
+            q = torch.randint(0, 16, (v.shape[0], groups, 32), generator=g)
+            q[..., 0], q[..., 1] = 0, 15  # as llama.cpp quantizes: the minimum is m, the maximum d·15 + m
+            weights[k] = (d * q + m).flatten(1).float()
+        elif k == "lm_head.weight":  # not Q4_1: in float16 either way
+            weights[k] = v.half().float()
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@needs_q4_1_kernel
+def test_q4_1_weights_are_the_float32_engine(q4_1_llama):
+    q4_1 = _run(q4_1_llama, quantization="q4_1")
+    none = _run(q4_1_llama, quantization="none")
+    assert q4_1["greedy"] == none["greedy"] and q4_1["seeded"] == none["seeded"]
+    assert (q4_1["logprobs"] - none["logprobs"]).abs().max().item() < 1e-4
+
+
+@needs_q4_1_kernel
+def test_q4_1_weights_keep_tp_and_speculative_invariants(q4_1_llama, tiny_dflash):
+    spec = dict(method="dflash", model=tiny_dflash, num_speculative_tokens=3, use_local_argmax_reduction=True,
+                adaptive=False)
+    tp1 = _run(q4_1_llama, quantization="q4_1")
+    tp2 = _run(q4_1_llama, 2, quantization="q4_1")
+    spec1 = _run(q4_1_llama, quantization="q4_1", speculative_config=spec)
+    spec2 = _run(q4_1_llama, 2, quantization="q4_1", speculative_config=spec)
+    assert tp2["greedy"] == tp1["greedy"] and tp2["seeded"] == tp1["seeded"]
+    assert spec1["greedy"] == tp1["greedy"] and spec2["greedy"] == tp1["greedy"]
+    assert spec2["seeded"] == spec1["seeded"]
+
+
 def test_bad_quantization_options_are_refused(tiny_llama):
-    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16'\), got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16', 'q4_1'\), got 'int3'"):
         LLM(tiny_llama, quantization="int3", **ENGINE)
     with pytest.raises(ValueError, match="quantization='fp16' stores a float32 model's weights in float16"):
         LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)
+    with pytest.raises(ValueError, match="quantization='q4_1' multiplies float32 activations"):
+        LLM(tiny_llama, quantization="q4_1", dtype="float16", **ENGINE)
 
 
 def test_auto_is_fp16_only_for_float32_on_cpu():

@@ -87,7 +87,9 @@ class EngineArgs:
         "faster on CPU; compiles at start-up (tens of seconds, cached on disk)")
     quantization: str = _option(
         "auto", "fp16 = the linear layers' weights stored in float16, multiplied in float32 (CPU, fbgemm; with --dtype "
-        "float32): half the weight bytes, faster decoding; auto = fp16 for float32 on CPU; none = off",
+        "float32): half the weight bytes, faster decoding; q4_1 = weights that are exactly Q4_1 (the default "
+        "model's layers) kept 4-bit, the rest as fp16 (CPU with AVX2; compiles a kernel on first use): fastest for "
+        "one or a few sequences; auto = fp16 for float32 on CPU; none = off",
         str, QUANTIZATION_OPTIONS)
 
     # ---- the command line ---------------------------------------------------------------------
@@ -134,11 +136,18 @@ class EngineArgs:
                              "use 'gloo' or 'auto' on CPU")
         dtype = resolve_dtype(self.dtype, device_kind)
         quantization = resolve_quantization(self.quantization, dtype, device_kind)
-        if quantization == "fp16" and device_kind != "cpu":
-            raise ValueError(f"quantization='fp16' is a CPU weight format (fbgemm), got device {device_kind!r}; "
+        if quantization in ("fp16", "q4_1") and device_kind != "cpu":
+            raise ValueError(f"quantization={quantization!r} is a CPU weight format, got device {device_kind!r}; "
                              "on CUDA use --dtype float16")
-        if quantization == "fp16" and not has_fbgemm():
-            raise ValueError("quantization='fp16' needs fbgemm, which this torch build lacks (x86 builds have it)")
+        if quantization in ("fp16", "q4_1") and not has_fbgemm():
+            raise ValueError(f"quantization={quantization!r} needs fbgemm, which this torch build lacks (x86 builds "
+                             "have it)")
+        if quantization == "q4_1":
+            from tpspec.layers.q4_1 import q4_1_unavailable
+
+            reason = q4_1_unavailable()
+            if reason:
+                raise ValueError(f"quantization='q4_1' needs tpspec's Q4_1 kernel, unavailable here: {reason}")
         warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None
         if warning:
             logger.warning("%s", warning)

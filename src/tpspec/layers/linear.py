@@ -17,6 +17,7 @@ from tpspec.cpu_features import has_fbgemm
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
 from tpspec.layers.partition import head_partition, split_range
+from tpspec.layers.q4_1 import q4_1_linear, quantize_exact
 
 
 def _rows(loaded, start: int, end: int) -> torch.Tensor:
@@ -46,6 +47,11 @@ ONEDNN_PACK_ROWS = 16  # the row count the reordered layout is tuned for
 # torch.compile, torch's float16 matmul runs up to CPU_FLOAT16_MAX_ROWS rows and float32 past them
 # (its float16 kernel falls 2.8x behind float32 at 100 rows).
 CPU_FLOAT16_MAX_ROWS = 4
+# Weights that are exactly Q4_1 (quantization="q4_1"; layers.q4_1) run through tpspec's Q4_1 kernel
+# up to Q4_1_MAX_ROWS rows, where it beats fbgemm's float16 GEMM (it reads 0.56 bytes a weight
+# against 2 but decodes each row block anew); past them through that float16 GEMM
+# (benchmarks/README.md, Q4_1 weights).
+Q4_1_MAX_ROWS = 8
 
 
 def _row_bucket(rows: int) -> int:
@@ -69,10 +75,10 @@ def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -
 
 @dataclass(frozen=True)
 class PackedWeight:
-    # "onednn" (float32, reordered) or "fp16" (fbgemm, float16 weights: a float16 model's own, or a
-    # float32 model's with quantization="fp16")
+    # "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16 model's own, or a
+    # float32 model's with quantization="fp16"), or "q4_1" (a float32 weight that is exactly Q4_1)
     format: str
-    data: object  # the library's packed weight
+    data: object  # the library's packed weight; for "q4_1", (Q4_1Weight, fbgemm's float16 one)
 
 
 # Read once: torch.compile cannot trace the library checks (a graph break in every layer).
@@ -87,6 +93,11 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
+    """``w`` packed in ``fmt``; "q4_1" where ``w`` is not exactly Q4_1 gives "fp16"."""
+    if fmt == "q4_1":
+        exact = quantize_exact(w.detach())
+        fp16 = _pack(w, "fp16")
+        return fp16 if exact is None else PackedWeight(fmt, (exact, fp16.data))
     if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
         return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None))
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
@@ -114,7 +125,7 @@ def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | 
         ref, version, packed = entry
         t = ref()
         if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype:
-            if t._version == version and fmt in (None, packed.format):
+            if t._version == version and (fmt in (None, packed.format) or fmt == "q4_1" and packed.format == "fp16"):
                 return packed
             fmt = fmt or packed.format
     packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
@@ -162,21 +173,30 @@ class PackedCPUWeight:
 
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
-    ``quantization="fp16"`` float32 weights in fbgemm's float16 layout."""
+    ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
+    exactly Q4_1 in the Q4_1 kernel's (and in float16 for more rows), the rest in float16."""
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):
             w = module.weight
-            packed_weight_of(w, "fp16" if quantization == "fp16" and _packable(w) and _HAS_FBGEMM else None)
+            quantized = quantization in ("fp16", "q4_1") and w.dtype == torch.float32 and _packable(w) and _HAS_FBGEMM
+            packed_weight_of(w, quantization if quantized else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: fbgemm for
-    float16 weights, oneDNN for float32 up to ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with
-    more than ``CPU_FLOAT16_MAX_ROWS`` rows goes through float32 (exact upcasts, float32
-    accumulation either way) and is rounded back to float16.
+    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the Q4_1 kernel
+    up to ``Q4_1_MAX_ROWS`` rows, fbgemm for float16 weights, oneDNN for float32 up to
+    ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows
+    goes through float32 (exact upcasts, float32 accumulation either way) and is rounded back to
+    float16.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
     if packed is not None:
+        if packed.format == "q4_1":
+            q4, fp16 = packed.data
+            if x.shape[0] > Q4_1_MAX_ROWS:
+                return _fbgemm_float16_linear(x, fp16, bias)
+            out = q4_1_linear(x, q4)
+            return out if bias is None else out + bias
         if packed.format == "fp16":
             return _fbgemm_float16_linear(x, packed.data, bias)
         if x.shape[0] <= ONEDNN_MAX_ROWS:

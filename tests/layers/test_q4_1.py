@@ -1,0 +1,77 @@
+"""Q4_1 weights kept 4-bit (layers.q4_1): exact recovery from float32, the kernel's layout, and the
+kernel against the float32 product, for row counts on both sides of its row blocks and for rows of
+an odd number of groups (a tensor-parallel shard's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tpspec.layers.linear import Q4_1_MAX_ROWS, LinearBase, pack_cpu_weights, packed_weight_of
+from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, q4_1_linear, q4_1_unavailable, quantize_exact
+
+needs_kernel = pytest.mark.skipif(q4_1_unavailable() is not None, reason=f"no Q4_1 kernel here: {q4_1_unavailable()}")
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """A float32 weight whose groups are exactly d·q + m, quantized as llama.cpp does (RTN, m = min)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features // GROUP, GROUP, generator=g) * 0.05
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d, m = ((high - low) / 15).half().float(), low.half().float()
+    q = torch.round((w - m) / d).clamp(0, 15)
+    return (d * q + m).flatten(1)
+
+
+@pytest.mark.parametrize("in_features", [64, 96, 576])  # 2, 3 (a last unpaired group) and 18 groups
+def test_exact_weights_are_recovered(in_features):
+    w = q4_1_weight(40, in_features)
+    packed = quantize_exact(w)
+    assert packed is not None
+    assert packed.qweight.shape == (40, in_features // 2) and packed.scales.dtype == torch.float16
+    assert torch.equal(dequantize(packed), w)
+
+
+def test_weights_that_are_not_q4_1_are_left_alone():
+    assert quantize_exact(torch.randn(8, 64)) is None  # more than 16 levels a group
+    assert quantize_exact(q4_1_weight(8, 64)[:, :48]) is None  # not whole groups
+    assert quantize_exact(q4_1_weight(8, 64).double()) is None
+
+
+def test_nibble_layout_round_trips_and_pairs_groups_by_words():
+    q = torch.randint(0, 16, (5, 3, GROUP), dtype=torch.uint8)
+    packed = _pack_nibbles(q)
+    assert torch.equal(_unpack_nibbles(packed), q)
+    word0 = int.from_bytes(bytes(packed[0, :4].tolist()), "little")  # word 0 of the first pair: weights 0, 8, ..., 56
+    assert [(word0 >> (4 * k)) & 15 for k in range(8)] == q[0, :2].flatten()[0::8].tolist()
+    assert torch.equal(packed[:, 32:] & 15, q[:, 2, :16])  # the unpaired third group: byte j = weights j, j + 16
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features", [96, 288, 1536])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17])
+def test_kernel_equals_the_float32_product(rows, in_features):
+    w = q4_1_weight(72, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    out = q4_1_linear(x, quantize_exact(w))
+    ref = x.double() @ w.double().T
+    assert out.shape == (rows, 72) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_layers_pack_exact_weights_as_q4_1_and_the_rest_as_fp16():
+    exact, other = LinearBase(96, 64, True, torch.float32), LinearBase(96, 64, False, torch.float32)
+    with torch.no_grad():
+        exact.weight.copy_(q4_1_weight(64, 96))
+        exact.bias.normal_()
+        other.weight.normal_()
+    pack_cpu_weights(nn.ModuleList([exact, other]), "q4_1")
+    assert packed_weight_of(exact.weight).format == "q4_1"
+    assert packed_weight_of(other.weight).format == "fp16"
+    for rows in (1, Q4_1_MAX_ROWS, Q4_1_MAX_ROWS + 1):  # the kernel, then fbgemm's float16 GEMM
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(exact(x), x @ exact.weight.T + exact.bias, rtol=2e-3, atol=2e-3)
+    x = torch.randn(1, 96)
+    torch.testing.assert_close(exact(x), x @ exact.weight.T + exact.bias, rtol=1e-5, atol=1e-5)  # exact weights
