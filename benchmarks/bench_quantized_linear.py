@@ -9,7 +9,8 @@ tpspec's float32 path up to 64 rows), ``float16`` (``F.linear`` on float16), ``i
 ``_weight_int8pack_mm``: int8 weights, one float scale per output row), ``int4-g32`` (torch's
 ``_weight_int4pack_mm_for_cpu``: 4-bit weights, a scale and a zero per 32 inputs, GGUF Q4_1's
 blocks), ``int8-dynamic`` (fbgemm's ``quantized.linear_dynamic``: the activations quantized to
-8 bits too, per call).
+8 bits too, per call), ``float16-fbgemm`` (fbgemm's float16 GEMM, ``--quantization fp16``),
+``q4_1`` (tpspec's Q4_1 kernel, ``--quantization q4_1``; the weights rounded to Q4_1 first).
 
   python3 benchmarks/bench_quantized_linear.py --result-file benchmarks/results/quantized_linear.json
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 python3 benchmarks/bench_quantized_linear.py
@@ -75,6 +76,23 @@ def _int8_dynamic(w: torch.Tensor) -> Kernel:
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
+def _float16_fbgemm(w: torch.Tensor) -> Kernel:
+    packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+    return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+def _q4_1(w: torch.Tensor) -> Kernel:
+    from tpspec.layers.q4_1 import q4_1_linear, quantize_exact
+
+    n, k = w.shape
+    g = w.view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+    q = torch.round((g - m) / d).clamp(0, 15)
+    weight = quantize_exact((d * q + m).flatten(1))  # as llama.cpp rounds them: exactly Q4_1
+    return lambda x: q4_1_linear(x, weight)
+
+
 KERNELS = {
     "float32": _float32,
     "float32-onednn": _float32_onednn,
@@ -82,6 +100,8 @@ KERNELS = {
     "int8": _int8,
     "int4-g32": _int4_g32,
     "int8-dynamic": _int8_dynamic,
+    "float16-fbgemm": _float16_fbgemm,
+    "q4_1": _q4_1,
 }
 
 
