@@ -82,14 +82,9 @@ def _float16_fbgemm(w: torch.Tensor) -> Kernel:
 
 
 def _q4_1(w: torch.Tensor) -> Kernel:
-    from tpspec.layers.q4_1 import q4_1_linear, quantize_exact
+    from tpspec.layers.q4_1 import q4_1_linear, quantize_exact, round_to_q4_1
 
-    n, k = w.shape
-    g = w.view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
-    q = torch.round((g - m) / d).clamp(0, 15)
-    weight = quantize_exact((d * q + m).flatten(1))  # as llama.cpp rounds them: exactly Q4_1
+    weight = quantize_exact(round_to_q4_1(w))  # as llama.cpp rounds them: exactly Q4_1
     return lambda x: q4_1_linear(x, weight)
 
 

@@ -36,18 +36,35 @@ def _run(folder: str, tp: int = 1, **kw) -> dict:
                 logprobs=torch.tensor([lp[t] for o in greedy for t, lp in zip(o.token_ids, o.logprobs)]))
 
 
+def _assert_tp_and_speculative_invariants(folder: str, quantization: str, dflash: str) -> None:
+    """TP 2 gives TP 1's greedy and seeded tokens; speculative decoding (flag on) gives plain's."""
+    spec = dict(method="dflash", model=dflash, num_speculative_tokens=3, use_local_argmax_reduction=True,
+                adaptive=False)  # a fixed k: an untrained drafter would be switched off
+    tp1 = _run(folder, quantization=quantization)
+    tp2 = _run(folder, 2, quantization=quantization)
+    spec1 = _run(folder, quantization=quantization, speculative_config=spec)
+    spec2 = _run(folder, 2, quantization=quantization, speculative_config=spec)
+    assert tp2["greedy"] == tp1["greedy"] and tp2["seeded"] == tp1["seeded"]
+    assert spec1["greedy"] == tp1["greedy"] and spec2["greedy"] == tp1["greedy"]
+    assert spec2["seeded"] == spec1["seeded"]
+
+
+def _copy_with_weights(source: str, folder: str, weights: dict[str, torch.Tensor]) -> str:
+    """``source``'s model folder copied to ``folder`` with ``weights`` as its checkpoint."""
+    for name in os.listdir(source):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(source, name), folder)
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 @pytest.fixture(scope="module")
 def rounded_llama(tiny_llama, tmp_path_factory) -> str:
     """tiny_llama with its linear weights rounded to float16 (and stored as float32 again)."""
-    folder = str(tmp_path_factory.mktemp("tiny-llama-fp16-rounded"))
-    for name in os.listdir(tiny_llama):
-        if name != "model.safetensors":
-            shutil.copy(os.path.join(tiny_llama, name), folder)
     weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
     rounded = {k: v.half().float() if k.endswith("proj.weight") or k == "lm_head.weight" else v for k, v in weights.items()}
     assert any(not torch.equal(rounded[k], weights[k]) for k in weights)
-    save_file(rounded, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return _copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-fp16-rounded")), rounded)
 
 
 def test_fp16_weights_are_the_float32_engine_on_rounded_weights(tiny_llama, rounded_llama):
@@ -63,15 +80,7 @@ def test_fp16_weights_are_the_float32_engine_on_rounded_weights(tiny_llama, roun
 
 
 def test_fp16_weights_keep_tp_and_speculative_invariants(tiny_llama, tiny_dflash):
-    spec = dict(method="dflash", model=tiny_dflash, num_speculative_tokens=3, use_local_argmax_reduction=True,
-                adaptive=False)  # a fixed k: an untrained drafter would be switched off
-    tp1 = _run(tiny_llama, quantization="fp16")
-    tp2 = _run(tiny_llama, 2, quantization="fp16")
-    spec1 = _run(tiny_llama, quantization="fp16", speculative_config=spec)
-    spec2 = _run(tiny_llama, 2, quantization="fp16", speculative_config=spec)
-    assert tp2["greedy"] == tp1["greedy"] and tp2["seeded"] == tp1["seeded"]
-    assert spec1["greedy"] == tp1["greedy"] and spec2["greedy"] == tp1["greedy"]
-    assert spec2["seeded"] == spec1["seeded"]
+    _assert_tp_and_speculative_invariants(tiny_llama, "fp16", tiny_dflash)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +89,6 @@ def q4_1_llama(tiny_llama, tmp_path_factory) -> str:
     power of two and m a multiple of d, so that they are exactly float16 too: the Q4_1 kernel, fbgemm's
     float16 GEMM (more rows, and the shards of 48 columns at TP 2) and float32 read the same weights;
     the LM head rounded to float16."""
-    folder = str(tmp_path_factory.mktemp("tiny-llama-q4_1"))
-    for name in os.listdir(tiny_llama):
-        if name != "model.safetensors":
-            shutil.copy(os.path.join(tiny_llama, name), folder)
     weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     for k, v in weights.items():
@@ -96,8 +101,7 @@ def q4_1_llama(tiny_llama, tmp_path_factory) -> str:
             weights[k] = (d * q + m).flatten(1).float()
         elif k == "lm_head.weight":  # not Q4_1: in float16 either way
             weights[k] = v.half().float()
-    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return _copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-q4_1")), weights)
 
 
 @needs_q4_1_kernel
@@ -110,15 +114,7 @@ def test_q4_1_weights_are_the_float32_engine(q4_1_llama):
 
 @needs_q4_1_kernel
 def test_q4_1_weights_keep_tp_and_speculative_invariants(q4_1_llama, tiny_dflash):
-    spec = dict(method="dflash", model=tiny_dflash, num_speculative_tokens=3, use_local_argmax_reduction=True,
-                adaptive=False)
-    tp1 = _run(q4_1_llama, quantization="q4_1")
-    tp2 = _run(q4_1_llama, 2, quantization="q4_1")
-    spec1 = _run(q4_1_llama, quantization="q4_1", speculative_config=spec)
-    spec2 = _run(q4_1_llama, 2, quantization="q4_1", speculative_config=spec)
-    assert tp2["greedy"] == tp1["greedy"] and tp2["seeded"] == tp1["seeded"]
-    assert spec1["greedy"] == tp1["greedy"] and spec2["greedy"] == tp1["greedy"]
-    assert spec2["seeded"] == spec1["seeded"]
+    _assert_tp_and_speculative_invariants(q4_1_llama, "q4_1", tiny_dflash)
 
 
 def test_bad_quantization_options_are_refused(tiny_llama):

@@ -15,7 +15,8 @@ needs_kernel = pytest.mark.skipif(q4_1_unavailable() is not None, reason=f"no Q4
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """A float32 weight whose groups are exactly d·q + m, quantized as llama.cpp does (RTN, m = min)."""
+    """A float32 weight whose groups are exactly d·q + m, quantized as llama.cpp does (RTN, m = min);
+    built here, not by ``round_to_q4_1``, so that the recovery is checked against llama.cpp's rule."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features // GROUP, GROUP, generator=g) * 0.05
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)

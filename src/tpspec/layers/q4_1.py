@@ -31,20 +31,35 @@ class Q4_1Weight:
     mins: torch.Tensor  # [out_features, in_features / 32] float16: m
 
 
-def quantize_exact(w: torch.Tensor) -> Q4_1Weight | None:
-    """``w`` ([out, in] float32) as Q4_1 groups if every group is exactly d·q + m with float16 d and m
-    and q in 0..15 (how llama.cpp quantizes: m the group's minimum, d = (max − min) / 15), else None."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
-        return None
+def _rounded_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` ([out, in], in a multiple of GROUP) rounded per group as llama.cpp quantizes Q4_1: m the
+    group's minimum, d = (max − min) / 15 (both float16), q = round((w − m) / d) in 0..15.
+    Returns d, m [out, groups] float16 and q [out, groups, 32] float32."""
     out_features, in_features = w.shape
-    groups = w.detach().view(out_features, in_features // GROUP, GROUP)
+    groups = w.detach().float().view(out_features, in_features // GROUP, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
     d, m = ((high - low) / 15).half(), low.half()
+    step = torch.where(d == 0, torch.ones_like(d), d).float()
+    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)
+    return d, m, q
+
+
+def round_to_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ([out, in] float32) rounded to Q4_1 as llama.cpp does: the float32 weight a Q4_1 GGUF of
+    it would hold (lossy; benchmarks and tests make Q4_1 weights with it)."""
+    d, m, q = _rounded_groups(w)
+    return (d.float()[..., None] * q + m.float()[..., None]).flatten(1)
+
+
+def quantize_exact(w: torch.Tensor) -> Q4_1Weight | None:
+    """``w`` ([out, in] float32) as Q4_1 groups if every group is exactly d·q + m with float16 d and m
+    and q in 0..15 (``round_to_q4_1`` leaves it unchanged), else None."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
+        return None
+    d, m, q = _rounded_groups(w)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None
-    step = torch.where(d == 0, torch.ones_like(d), d).float()
-    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15)  # [out, groups, 32]
-    if not torch.equal(d.float()[..., None] * q + m.float()[..., None], groups):
+    if not torch.equal((d.float()[..., None] * q + m.float()[..., None]).flatten(1), w.detach()):
         return None
     return Q4_1Weight(_pack_nibbles(q.to(torch.uint8)), d.contiguous(), m.contiguous())
 
