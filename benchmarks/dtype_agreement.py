@@ -2,12 +2,17 @@
 
 Generates ``--max-tokens`` greedy tokens for ``--num-prompts`` held-out HumanEval prompts with the
 default model in float32 (the reference) and in each setting (each in a fresh process): a dtype,
-or ``float32+fp16`` (float32 with ``--quantization fp16``), and
+or ``float32+fp16`` (float32 with ``--quantization fp16``; ``float32+q4_1`` likewise), and
 reports per setting: the sequences identical to float32's, the mean number of tokens before the
 first difference, and on the tokens both agree on, the largest and mean absolute difference of
 the chosen token's log-probability against float32's (a logit error in nats).
 
   python3 benchmarks/dtype_agreement.py --settings float32+fp16 float16 bfloat16 --result-file benchmarks/results/dtype_agreement.json
+  python3 benchmarks/dtype_agreement.py --settings float32+q4_1 float32+fp16 --max-num-seqs 1
+
+``--max-num-seqs 1`` decodes one sequence at a time in every setting (the prompts' order), as a
+single stream is served: ``q4_1``'s kernel takes products of up to 8 rows, so its numerics differ
+between one sequence and many.
 """
 
 from __future__ import annotations
@@ -20,21 +25,23 @@ from tpspec.bench.datasets import humaneval_prompts
 from tpspec.bench.machine import machine_info
 
 
-def _generate(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, queue) -> None:
+def _generate(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, max_num_seqs: int | None,
+              queue) -> None:
     from tpspec import LLM, SamplingParams
 
     dtype, _, quantization = setting.partition("+")  # float32 alone: unquantized
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    with LLM(dtype=dtype, quantization=quantization or "none", torch_compile=torch_compile) as llm:
+    batching = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    with LLM(dtype=dtype, quantization=quantization or "none", torch_compile=torch_compile, **batching) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     queue.put([(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outs])
 
 
-def run(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int):
+def run(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, max_num_seqs: int | None = None):
     """Tokens and chosen-token logprobs of every prompt, from a fresh process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_generate, args=(setting, torch_compile, prompts, max_tokens, queue))
+    proc = ctx.Process(target=_generate, args=(setting, torch_compile, prompts, max_tokens, max_num_seqs, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -64,17 +71,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch-compile", action="store_true", help="compile the compared settings' decode steps")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences decoded together, in every setting (default: the engine's; 1: one at a time)")
     p.add_argument("--result-file")
     args = p.parse_args(argv)
     prompts = humaneval_prompts(args.num_prompts)
-    ref = run("float32", False, prompts, args.max_tokens)
+    ref = run("float32", False, prompts, args.max_tokens, args.max_num_seqs)
     rows = {}
-    print(f"{args.num_prompts} HumanEval prompts, {args.max_tokens} greedy tokens each, against float32 (eager)")
+    batch = "" if args.max_num_seqs is None else f", at most {args.max_num_seqs} sequences a step"
+    print(f"{args.num_prompts} HumanEval prompts, {args.max_tokens} greedy tokens each{batch}, against float32 (eager)")
     print("| Setting | Identical sequences | Mean tokens before first difference | Max / mean abs logprob diff |")
     print("|---|---|---|---|")
     for setting in args.settings:
         name = setting + (" compiled" if args.torch_compile else "")
-        r = rows[name] = compare(ref, run(setting, args.torch_compile, prompts, args.max_tokens))
+        r = rows[name] = compare(ref, run(setting, args.torch_compile, prompts, args.max_tokens, args.max_num_seqs))
         print(f"| {name} | {r['identical']}/{r['sequences']} | {r['mean_tokens_before_first_difference']:.1f} | "
               f"{r['max_abs_logprob_diff']:.4f} / {r['mean_abs_logprob_diff']:.5f} |")
     if args.result_file:

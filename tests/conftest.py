@@ -142,3 +142,19 @@ def write_tiny_dflash(folder: str, target_folder: str, seed: int = 0, scale: flo
 @pytest.fixture(scope="session")
 def tiny_dflash(tiny_llama, tmp_path_factory) -> str:
     return write_tiny_dflash(str(tmp_path_factory.mktemp("tiny-dflash")), tiny_llama)
+
+
+@pytest.fixture(params=["torch-ops", "cpu-kernels"])
+def cpu_kernels_mode(request, monkeypatch) -> str:
+    """Runs a test with tpspec's CPU kernels (layers.cpu_kernels) unloaded, then loaded, whatever
+    earlier tests built: the layers with a PyTorch path take the kernels only when loaded."""
+    from tpspec.layers import cpu_kernels
+
+    if request.param == "cpu-kernels":
+        reason = cpu_kernels.unavailable()
+        if reason:
+            pytest.skip(f"tpspec's CPU kernels are unavailable here: {reason}")
+        monkeypatch.setattr(cpu_kernels, "_MODULE", cpu_kernels.kernels())
+    else:
+        monkeypatch.setattr(cpu_kernels, "_MODULE", None)
+    return request.param

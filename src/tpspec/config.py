@@ -483,16 +483,25 @@ class EngineConfig:
 
 
 def resolve_quantization(quantization: str | None, dtype: str, device_type: str) -> str | None:
-    """``auto`` means "fp16" for a float32 model on a CPU whose torch has fbgemm, else None: on
-    AVX-512 and AVX2 alike it decoded one sequence 1.86x as fast as float32 weights and 32 at once
-    1.16x / 1.03x, with 30 of 32 greedy sequences of 64 tokens identical to float32's and chosen-token
-    logprobs within 0.008 nats (benchmarks/README.md, float16 weights). ``none`` (or None): off."""
+    """``auto`` means, for a float32 model on a CPU whose torch has fbgemm, "q4_1" where tpspec's
+    CPU kernels build (AVX2, FMA, F16C and a C++ compiler; ``layers.cpu_kernels``), else "fp16";
+    elsewhere None. "q4_1" keeps weights that are exactly Q4_1 (the default model's layers) 4-bit
+    and multiplies them exactly (up to summation order) up to 8 rows a product, through the "fp16"
+    copy past that, so it is never further from float32 than "fp16": on the default model it decoded
+    one sequence 1.3x as fast as "fp16" on an AVX2 CPU, and "fp16" 1.86x as fast as float32
+    weights (benchmarks/README.md, float16 weights; Q4_1 weights). The bound either is held to:
+    at least 28 of 32 greedy 64-token HumanEval sequences identical to float32's and chosen-token
+    logprobs within 0.05 nats (``benchmarks/dtype_agreement.py``). ``none`` (or None): off."""
     if quantization is not None and quantization not in QUANTIZATION_OPTIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS}, got {quantization!r}")
     if quantization == "auto":
         from tpspec.cpu_features import has_fbgemm
 
-        return "fp16" if device_type == "cpu" and dtype == "float32" and has_fbgemm() else None
+        if device_type != "cpu" or dtype != "float32" or not has_fbgemm():
+            return None
+        from tpspec.layers import cpu_kernels
+
+        return "q4_1" if cpu_kernels.unavailable() is None else "fp16"
     return None if quantization == "none" else quantization
 
 

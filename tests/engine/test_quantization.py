@@ -126,7 +126,11 @@ def test_bad_quantization_options_are_refused(tiny_llama):
         LLM(tiny_llama, quantization="q4_1", dtype="float16", **ENGINE)
 
 
-def test_auto_is_fp16_only_for_float32_on_cpu():
+def test_auto_is_q4_1_where_the_kernels_build_else_fp16_only_for_float32_on_cpu(monkeypatch):
+    from tpspec.layers import cpu_kernels
+
+    assert resolve_quantization("auto", "float32", "cpu") == ("fp16" if cpu_kernels.unavailable() else "q4_1")
+    monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "the CPU lacks avx2")
     assert resolve_quantization("auto", "float32", "cpu") == "fp16"
     assert resolve_quantization("auto", "bfloat16", "cpu") is None
     assert resolve_quantization("auto", "float16", "cpu") is None

@@ -1,5 +1,5 @@
 """The default model (SmolLM2-135M-Instruct) with the default settings (float32 on CPU, its linear
-weights in float16: ``--quantization auto``) generates the same greedy tokens as transformers in
+weights kept Q4_1 where tpspec's CPU kernels build, in float16 otherwise: ``--quantization auto``) generates the same greedy tokens as transformers in
 float32, loading the same GGUF file through its own, independent GGUF reader."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from tpspec import LLM, SamplingParams
 from tpspec.cpu_features import has_fbgemm
 from tpspec.default_model import default_model_path
+from tpspec.layers import cpu_kernels
 
 # Five tokens each, so transformers runs them as one batch without padding (and a padded batch's
 # numerics cannot blur the comparison); the chat prompt runs on its own.
@@ -29,7 +30,8 @@ MAX_TOKENS = 32
 def ours():
     with LLM(num_kv_blocks=64, max_model_len=512) as llm:
         assert llm.llm_engine.config.dtype == "float32"
-        assert llm.llm_engine.config.quantization == ("fp16" if has_fbgemm() else None)
+        assert llm.llm_engine.config.quantization == (
+            None if not has_fbgemm() else "fp16" if cpu_kernels.unavailable() else "q4_1")
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         outputs += llm.chat(CHAT, params, use_tqdm=False)

@@ -1,6 +1,6 @@
 """``Attention`` over the paged KV cache against a plain per-sequence softmax attention: prefill
 chunks, speculative (k + 1 query) steps and decode steps (the fused-SDPA path), batched with
-padding and across query-length groups, with a non-causal draft block, uniform GQA groups and an
+padding and across query-length groups, decodes also through tpspec's CPU kernel (``cpu_kernels_mode``), with a non-causal draft block, uniform GQA groups and an
 uneven head split, in float32, float16 and bfloat16, with each sequence's blocks scattered or
 consecutive (a lone sequence in consecutive blocks is read in place, not gathered). The cache
 holds only the earlier tokens before the call: the attention writes the new tokens' K/V itself."""
@@ -48,7 +48,8 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0):
     ],
 )
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens, context_lens, tail, consecutive):
+def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens, context_lens, tail, consecutive,
+                                           cpu_kernels_mode):
     g = torch.Generator().manual_seed(len(query_lens) * 10 + heads)
     kv_heads = 2
     num_blocks = 64

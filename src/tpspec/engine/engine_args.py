@@ -89,7 +89,7 @@ class EngineArgs:
         "auto", "fp16 = the linear layers' weights stored in float16, multiplied in float32 (CPU, fbgemm; with --dtype "
         "float32): half the weight bytes, faster decoding; q4_1 = weights that are exactly Q4_1 (the default "
         "model's layers) kept 4-bit, the rest as fp16 (CPU with AVX2; compiles a kernel on first use): fastest for "
-        "one or a few sequences; auto = fp16 for float32 on CPU; none = off",
+        "one or a few sequences; auto = q4_1 for float32 on CPU where the kernel builds, else fp16; none = off",
         str, QUANTIZATION_OPTIONS)
 
     # ---- the command line ---------------------------------------------------------------------

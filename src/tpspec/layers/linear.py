@@ -6,6 +6,8 @@ copy only this rank's shard, so a rank never materializes another rank's weights
 
 from __future__ import annotations
 
+import collections
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -18,6 +20,8 @@ from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
 from tpspec.layers.partition import head_partition, split_range
 from tpspec.layers.q4_1 import q4_1_linear, quantize_exact
+
+logger = logging.getLogger(__name__)
 
 
 def _rows(loaded, start: int, end: int) -> torch.Tensor:
@@ -174,12 +178,18 @@ class PackedCPUWeight:
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
-    exactly Q4_1 in the Q4_1 kernel's (and in float16 for more rows), the rest in float16."""
+    exactly Q4_1 in the Q4_1 kernel's (and in float16 for more rows), the rest in float16; logs how
+    many weights each format got."""
+    formats = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):
             w = module.weight
             quantized = quantization in ("fp16", "q4_1") and w.dtype == torch.float32 and _packable(w) and _HAS_FBGEMM
-            packed_weight_of(w, quantization if quantized else None)
+            packed = packed_weight_of(w, quantization if quantized else None)
+            formats[packed.format if packed is not None else str(w.dtype).removeprefix("torch.")] += 1
+    if formats:
+        logger.info("%s: linear weights by format: %s", type(model).__name__,
+                    ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

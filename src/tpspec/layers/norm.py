@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpspec.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x²) + eps) · w, optionally after adding a residual (returned too)."""
@@ -25,7 +27,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [..., hidden_size]. With ``residual``: returns (norm(x + residual), x + residual)."""
+        """x: [..., hidden_size]. With ``residual``: returns (norm(x + residual), x + residual).
+        A float32 [tokens, hidden] on CPU: one call to ``cpu_kernels``' add_rms_norm where they
+        are loaded."""
+        kernels = cpu_kernels.for_decode(x, residual, self.weight)
+        if kernels is not None and x.dim() == 2 and x.shape[1] % 8 == 0 and x.is_contiguous() and (
+                residual is None or residual.is_contiguous()):
+            out, total = kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, total)
         if residual is None:
             return self._norm(x)
         x = x + residual

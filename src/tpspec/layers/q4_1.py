@@ -3,23 +3,18 @@ and m float16). The default model comes as a Q4_1 GGUF, so its layers' float32 w
 such groups; ``quantize_exact`` recovers them (None where a weight is not exactly Q4_1: nothing is
 re-quantized, nothing lost), and ``q4_1_linear`` multiplies float32 activations by them reading a
 quarter of float16's bytes per weight (plus 4 bytes of d and m per 32), through tpspec's AVX2 kernel
-(``csrc/q4_1_linear.cpp``), built with the machine's C++ compiler on first use and cached by torch.
+(``csrc/q4_1_linear.cpp``, one of ``cpu_kernels``).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tpspec.layers import cpu_kernels
 
 GROUP = 32  # weights per group (one d and one m)
-KERNEL_ISA = ("avx2", "fma", "f16c")  # what the kernel is compiled for
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "q4_1_linear.cpp")
 
 
 @dataclass(frozen=True)
@@ -94,35 +89,12 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([pairs.reshape(out_features, paired, GROUP).to(torch.uint8), tail_q], 1)
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
-    """The compiled kernel module, or the reason there is none (a string)."""
-    from tpspec.cpu_features import cpu_model_and_isa
-
-    flags = cpu_model_and_isa()[1]
-    missing = [f for f in KERNEL_ISA if f not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    from torch.utils.cpp_extension import load
-
-    logger.info("Loading tpspec's Q4_1 kernel (compiled on first use, ~30 s, then cached by torch)")
-    try:
-        return load(name="tpspec_q4_1_linear", sources=[_SOURCE], verbose=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler, no headers: say why
-        return f"building it failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
-
-
 def q4_1_unavailable() -> str | None:
-    """Why the kernel cannot run here (None: it can; builds it on first call)."""
-    kernel = _kernel()
-    return kernel if isinstance(kernel, str) else None
+    """Why the kernel cannot run here (None: it can; builds ``cpu_kernels`` on first call)."""
+    return cpu_kernels.unavailable()
 
 
 def q4_1_linear(x: torch.Tensor, weight: Q4_1Weight) -> torch.Tensor:
     """x: [num_rows, in_features] -> x · dequantize(weight)ᵀ: [num_rows, out_features] in x's dtype."""
-    kernel = _kernel()
-    if isinstance(kernel, str):
-        raise RuntimeError(f"tpspec's Q4_1 kernel is unavailable: {kernel}")
-    out = kernel.q4_1_linear(x.float().contiguous(), weight.qweight, weight.scales, weight.mins)
+    out = cpu_kernels.kernels().q4_1_linear(x.float().contiguous(), weight.qweight, weight.scales, weight.mins)
     return out.to(x.dtype)

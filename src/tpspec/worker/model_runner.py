@@ -18,6 +18,7 @@ from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
+from tpspec.layers import cpu_kernels
 from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
@@ -94,6 +95,10 @@ class ModelRunner:
         if missing:
             raise ValueError(f"checkpoint {self.config.model!r} lacks weights: {sorted(missing)[:5]}")
         self.model.eval()
+        if self.device.type == "cpu":
+            reason = cpu_kernels.unavailable()  # builds tpspec's CPU kernels on first use; decode ops then take them
+            if reason:
+                logger.info("tpspec's CPU kernels are unavailable (%s): PyTorch's ops instead", reason)
         pack_cpu_weights(self.model, self.config.quantization)
         self.num_blocks = num_kv_blocks(self.config, self.device)
         self.kv_caches = allocate_kv_cache(

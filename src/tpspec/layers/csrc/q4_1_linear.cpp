@@ -1,8 +1,9 @@
 // Q4_1 weights times float32 activations on x86 with AVX2, FMA and F16C (tpspec.layers.q4_1).
 //
 // A Q4_1 weight row holds groups of 32 weights w = d·q + m: q a 4-bit integer, d and m float16
-// (llama.cpp's Q4_1; the default model's GGUF stores its layers so). out[r, o] = sum over groups g of
-// d·(x_g · q_g) + m·sum(x_g): the activations stay float32, the weights are exactly the stored ones.
+// (llama.cpp's Q4_1; the default model's GGUF stores its layers so). Each group is widened to float32
+// as d·q + m by one fused multiply-add, which is exact (d·q needs at most 15 bits): out[r, o] is the
+// float32 dot product of row r of x with the float32 weights, summed in another order.
 // Layout of a row's I / 2 bytes: groups in pairs, 32 bytes a pair, as 8 little-endian 32-bit words
 // whose nibble k of word l is weight 8k + l of the pair (so weights 8k .. 8k+7 are one shift and one
 // mask away); a last unpaired group as 16 bytes whose byte j holds weight j (low nibble) and j + 16.
@@ -44,47 +45,46 @@ static inline void unpack_pair(const uint8_t* bytes, __m256 q[8]) {
   q[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
 }
 
-static inline __m256 dot_group(const float* xg, const __m256* q) {
-  __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xg), q[0]);
-  __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(xg + 8), q[1]);
-  p0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), q[2], p0);
-  p1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), q[3], p1);
-  return _mm256_add_ps(p0, p1);
-}
-
-// Rows r0 .. r0+RB-1 of out for outputs o0 .. o1-1.
+// Rows r0 .. r0+RB-1 of out for outputs o0 .. o1-1: each group widened once, then multiplied into
+// every row (several accumulators a row: fused multiply-adds wait on their sums).
 template <int RB>
-static void q4_1_block(const float* xp, const float* xsp, const uint8_t* qp, const uint16_t* dp, const uint16_t* mp,
+static void q4_1_block(const float* xp, const uint8_t* qp, const uint16_t* dp, const uint16_t* mp,
                        float* op, int64_t I, int64_t O, int64_t G, int64_t r0, int64_t o0, int64_t o1) {
+  constexpr int NA = RB == 1 ? 4 : 2;  // accumulators per row
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* qrow = qp + o * (I / 2);
     const uint16_t* drow = dp + o * G;
     const uint16_t* mrow = mp + o * G;
-    __m256 acc[RB];
-    float macc[RB];
-    for (int r = 0; r < RB; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    __m256 acc[RB][NA];
+    for (int r = 0; r < RB; ++r) for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {
       __m256 q[8];
       unpack_pair(qrow + g * 16, q);
       const __m256 da = _mm256_set1_ps(_cvtsh_ss(drow[g])), db = _mm256_set1_ps(_cvtsh_ss(drow[g + 1]));
+      const __m256 ma = _mm256_set1_ps(_cvtsh_ss(mrow[g])), mb = _mm256_set1_ps(_cvtsh_ss(mrow[g + 1]));
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_fmadd_ps(q[j], da, ma);
+      for (int j = 4; j < 8; ++j) q[j] = _mm256_fmadd_ps(q[j], db, mb);
       for (int r = 0; r < RB; ++r) {
         const float* xg = xp + (r0 + r) * I + g * 32;
-        acc[r] = _mm256_fmadd_ps(dot_group(xg, q), da, acc[r]);
-        acc[r] = _mm256_fmadd_ps(dot_group(xg + 32, q + 4), db, acc[r]);
+        for (int j = 0; j < 8; ++j) acc[r][j % NA] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * j), q[j], acc[r][j % NA]);
       }
     }
     if (g < G) {
       __m256 q[4];
       unpack_group(qrow + g * 16, q);
-      const __m256 da = _mm256_set1_ps(_cvtsh_ss(drow[g]));
-      for (int r = 0; r < RB; ++r) acc[r] = _mm256_fmadd_ps(dot_group(xp + (r0 + r) * I + g * 32, q), da, acc[r]);
+      const __m256 da = _mm256_set1_ps(_cvtsh_ss(drow[g])), ma = _mm256_set1_ps(_cvtsh_ss(mrow[g]));
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_fmadd_ps(q[j], da, ma);
+      for (int r = 0; r < RB; ++r) {
+        const float* xg = xp + (r0 + r) * I + g * 32;
+        for (int j = 0; j < 4; ++j) acc[r][j % NA] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * j), q[j], acc[r][j % NA]);
+      }
     }
-    for (int64_t gg = 0; gg < G; ++gg) {
-      const float m = _cvtsh_ss(mrow[gg]);
-      for (int r = 0; r < RB; ++r) macc[r] += m * xsp[(r0 + r) * G + gg];
+    for (int r = 0; r < RB; ++r) {
+      __m256 s = acc[r][0];
+      for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
+      op[(r0 + r) * O + o] = hsum(s);
     }
-    for (int r = 0; r < RB; ++r) op[(r0 + r) * O + o] = hsum(acc[r]) + macc[r];
   }
 }
 
@@ -97,29 +97,23 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
               && mins.is_contiguous(), "scales, mins: contiguous float16");
   const int64_t R = x.size(0), I = x.size(1), O = qweight.size(0), G = I / 32;
   auto out = torch::empty({R, O}, x.options());
-  auto xs = x.view({R, G, 32}).sum(-1).contiguous();  // [R, G]
   const float* xp = x.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
     int64_t r0 = 0;
-    for (; r0 + 8 <= R; r0 += 8) q4_1_block<8>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1);
+    for (; r0 + 8 <= R; r0 += 8) q4_1_block<8>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1);
     switch (R - r0) {
-      case 7: q4_1_block<7>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
-      case 6: q4_1_block<6>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
-      case 5: q4_1_block<5>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
-      case 4: q4_1_block<4>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
-      case 3: q4_1_block<3>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
-      case 2: q4_1_block<2>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
-      case 1: q4_1_block<1>(xp, xsp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 7: q4_1_block<7>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 6: q4_1_block<6>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 5: q4_1_block<5>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 4: q4_1_block<4>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 3: q4_1_block<3>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 2: q4_1_block<2>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
+      case 1: q4_1_block<1>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1); break;
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "Q4_1 weights times float32 activations");
 }

@@ -1,0 +1,70 @@
+"""tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 product
+(``layers.q4_1``), and the decode step's RMSNorm with its residual add and single-query attention
+(``decode_ops.cpp``), each one call where PyTorch dispatches 5-10 small ops. Built with the
+machine's C++ compiler on first use (~40 s) and cached by torch; ``make install`` builds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNEL_ISA = ("avx2", "fma", "f16c")  # what the kernels are compiled for
+_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp")))
+_MODULE = None  # the module once built and imported
+
+
+@functools.lru_cache(maxsize=1)
+def _build():
+    """The compiled module, or the reason there is none (a string)."""
+    global _MODULE
+    from tpspec.cpu_features import cpu_model_and_isa
+
+    flags = cpu_model_and_isa()[1]
+    missing = [f for f in KERNEL_ISA if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    from torch.utils.cpp_extension import load
+
+    logger.info("Loading tpspec's CPU kernels (compiled on first use, ~40 s, then cached by torch)")
+    try:
+        module = load(name="tpspec_cpu_kernels", sources=_SOURCES, verbose=False,
+                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no headers: say why
+        return f"building them failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
+    _MODULE = module
+    return module
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (None: they can; builds them on first call)."""
+    module = _build()
+    return module if isinstance(module, str) else None
+
+
+def kernels():
+    """The compiled module (building it on first call); RuntimeError where there is none."""
+    module = _build()
+    if isinstance(module, str):
+        raise RuntimeError(f"tpspec's CPU kernels are unavailable: {module}")
+    return module
+
+
+def for_decode(*tensors) -> object | None:
+    """The module if something built it already (an engine on CPU does, at start) and every one of
+    ``tensors`` (None: skipped) is a float32 CPU tensor outside autograd and torch.compile, what the
+    decode ops need; else None. Layers with a PyTorch path take the kernels only then (they never
+    build them themselves)."""
+    if _MODULE is None or torch.compiler.is_compiling():
+        return None
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu or grad and t.requires_grad):
+            return None
+    return _MODULE

@@ -1,0 +1,16 @@
+// The Python module of tpspec's CPU kernels (tpspec.layers.cpu_kernels).
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                        double eps);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
+                               double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_1_linear", &q4_1_linear, "Q4_1 weights times float32 activations (q4_1_linear.cpp)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual) RMS-normalized, and x + residual (decode_ops.cpp)");
+  m.def("decode_attention", &decode_attention, "one query per sequence, grouped KV heads (decode_ops.cpp)");
+}
