@@ -1,6 +1,6 @@
 """tpspec's CPU decode ops (layers.cpu_kernels, csrc/decode_ops.cpp) against PyTorch: the RMSNorm
-with its residual add and single-query attention (grouped KV heads, strided cache views, padding
-masks, head sizes off the kernel's 16-wide step); the layers take them only when loaded and outside
+with its residual add and single-query attention over the paged KV cache (grouped and uneven KV
+heads, scattered slots, padding masks, head sizes off the kernel's 16-wide step); the layers take them only when loaded and outside
 autograd."""
 
 from __future__ import annotations
@@ -51,36 +51,49 @@ def test_rms_norm_layer_takes_the_kernel_only_when_loaded_and_outside_autograd(c
     assert trained.grad is not None and len(calls) == (cpu_kernels_mode == "cpu-kernels")
 
 
-def _sdpa(q, keys, values, mask, scale):
-    """The reference: q [S, H, d], keys/values [S, KVH, L, d], mask [S, L] or None -> [S, H·d]."""
-    out = F.scaled_dot_product_attention(q.unsqueeze(2).double(), keys.double(), values.double(),
-                                         attn_mask=None if mask is None else mask[:, None, None].double(),
-                                         scale=scale, enable_gqa=True)
+def _reference(q, k_cache, v_cache, slots, kv_head, mask, scale):
+    """Gathered keys through SDPA in float64: q [S, H, d], caches [N, KVH, d], slots [S, L] -> [S, H·d]."""
+    keys = k_cache[slots][:, :, kv_head].permute(0, 2, 1, 3).double()  # [S, H, L, d]
+    values = v_cache[slots][:, :, kv_head].permute(0, 2, 1, 3).double()
+    bias = None if mask is None else mask[:, None, None].double()
+    out = F.scaled_dot_product_attention(q.unsqueeze(2).double(), keys, values, attn_mask=bias, scale=scale)
     return out.reshape(q.shape[0], -1).float()
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 24), (2, 1, 8)])
+@pytest.mark.parametrize("kv_head", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1], [0, 0]])  # GQA groups; uneven; d = 8
 @pytest.mark.parametrize("length", [1, 7, 8, 33, 300])
-def test_decode_attention_equals_sdpa_on_strided_cache_views(heads, kv_heads, d, length):
+def test_paged_decode_attention_equals_sdpa_over_scattered_slots(kv_head, length):
+    heads, kv_heads, d = len(kv_head), max(kv_head) + 1, {9: 64, 4: 24, 2: 8}[len(kv_head)]
     g = torch.Generator().manual_seed(length + d)
-    cache_k, cache_v = torch.randn(2, length + 5, kv_heads, d, generator=g)  # [slots, kv_heads, d], as the KV cache
-    keys = cache_k[2 : 2 + length].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d], strided
-    values = cache_v[2 : 2 + length].permute(1, 0, 2).unsqueeze(0)
+    k_cache, v_cache = torch.randn(2, 2 * length + 5, kv_heads, d, generator=g)  # [slots, kv_heads, d]
+    slots = torch.randperm(2 * length + 5, generator=g)[:length].view(1, length)  # the keys anywhere in the cache
     q = torch.randn(1, heads, d, generator=g)
-    out = cpu_kernels.kernels().decode_attention(q, keys, values, None, d**-0.5)
-    torch.testing.assert_close(out, _sdpa(q, keys, values, None, d**-0.5), rtol=1e-5, atol=1e-5)
+    kv_head = torch.tensor(kv_head)
+    out = cpu_kernels.kernels().paged_decode_attention(q, k_cache, v_cache, slots, kv_head, None, d**-0.5)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, slots, kv_head, None, d**-0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_attention_masks_padded_keys():
+def test_paged_decode_attention_masks_padded_keys_without_reading_them():
     g = torch.Generator().manual_seed(0)
     lengths = [5, 19, 1]
-    keys, values = torch.randn(2, 3, 2, 19, 16, generator=g)  # [S, KVH, L, d]
+    k_cache, v_cache = torch.randn(2, 40, 2, 16, generator=g)
+    slots = torch.randint(1, 40, (3, 19), generator=g)  # never slot 0
     mask = torch.tensor([[0.0 if t < n else float("-inf") for t in range(19)] for n in lengths])  # [S, L]
-    keys_garbage = keys.clone()
-    keys_garbage[0, :, 5:] = 1e6  # padding never counts, however large
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    poisoned_k[0], poisoned_v[0] = float("nan"), float("nan")  # slot 0: where padding points
+    padded = torch.where(mask == 0, slots, 0)
     q = torch.randn(3, 4, 16, generator=g)
-    out = cpu_kernels.kernels().decode_attention(q, keys_garbage, values, mask, 0.25)
-    torch.testing.assert_close(out, _sdpa(q, keys, values, mask, 0.25), rtol=1e-5, atol=1e-5)
+    kv_head = torch.tensor([0, 0, 1, 1])
+    out = cpu_kernels.kernels().paged_decode_attention(q, poisoned_k, poisoned_v, padded, kv_head, mask, 0.25)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, slots, kv_head, mask, 0.25), rtol=1e-5, atol=1e-5)
     for s, n in enumerate(lengths):  # the same as attending over the sequence's own keys alone
-        alone = cpu_kernels.kernels().decode_attention(q[s : s + 1], keys[s : s + 1, :, :n], values[s : s + 1, :, :n], None, 0.25)
+        alone = cpu_kernels.kernels().paged_decode_attention(q[s : s + 1], k_cache, v_cache, slots[s : s + 1, :n].contiguous(),
+                                                             kv_head, None, 0.25)
         torch.testing.assert_close(out[s : s + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_refuses_slots_outside_the_cache():
+    k_cache = torch.zeros(8, 1, 8)
+    with pytest.raises(RuntimeError, match="a slot outside the cache"):
+        cpu_kernels.kernels().paged_decode_attention(torch.zeros(1, 1, 8), k_cache, k_cache, torch.tensor([[3, 8]]),
+                                                     torch.tensor([0]), None, 1.0)

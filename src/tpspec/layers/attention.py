@@ -223,7 +223,9 @@ class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
     K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``),
-    except for a lone sequence in consecutive slots, read in place (``contiguous_slots``).
+    except for a lone sequence in consecutive slots, read in place (``contiguous_slots``), and for
+    float32 decode steps on CPU where ``cpu_kernels`` are loaded: their paged_decode_attention reads
+    every sequence's keys in the cache in place (2-3x SDPA's speed, and no gather).
     Per ``QueryGroup``: decodes in float32 (float16 attends in float32) go through PyTorch's fused
     SDPA; everything else (prefill, k + 1 speculative queries, bfloat16) through two batched
     matmuls over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
@@ -250,6 +252,7 @@ class Attention(nn.Module):
         self.uniform_groups = num_heads % num_kv_heads == 0 and torch.equal(
             kv_head_of_head, torch.arange(num_heads) // group)
         self.gathered_heads = tuple(range(num_kv_heads)) if self.uniform_groups else tuple(kv_head_of_head.tolist())
+        self.register_buffer("kv_head_of_head", kv_head_of_head.to(torch.int64).clone(), persistent=False)  # [num_heads]
 
     def context_rows(self, md: AttentionMetadata) -> torch.Tensor:
         """[num_seqs · len(gathered_heads) · max_context] rows of the cache that K/V are gathered from."""
@@ -271,6 +274,16 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, md.slot_mapping, v.to(compute))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
+        kernels = cpu_kernels.for_decode(q, k_cache) if md.decode_only and compute == torch.float32 else None
+        if kernels is not None and d % 8 == 0:  # the cache read in place, no gather
+            g = md.groups[0]
+            mask = None  # [seqs, max_ctx]; one sequence attending over all its keys: none
+            if num_seqs > 1 or self.sliding_window is not None:
+                bias = g.attn_bias if self.sliding_window is None else g.window_bias(self.sliding_window)
+                mask = bias.reshape(num_seqs, max_ctx)
+            out = kernels.paged_decode_attention(q.to(compute).contiguous(), k_cache, v_cache, md.context_slots,
+                                                 self.kv_head_of_head, mask, self.scale)
+            return out.to(k.dtype)
         # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
         if md.contiguous_slots is not None and self.uniform_groups and not torch.compiler.is_compiling():
             # One sequence in consecutive slots: its keys in place, strided (a graph keeps the gather)
@@ -332,12 +345,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [num_seqs, 1, 1, max_context] additive, None: every key
     ) -> torch.Tensor:  # [num_seqs, num_heads · head_dim]
         """Decodes in float32 through PyTorch's fused SDPA, faster on CPU than the two matmuls
-        (not so in bfloat16), or through ``cpu_kernels``' decode_attention where they are loaded
-        (2-5x faster than SDPA for one sequence); the same result up to float rounding."""
-        kernels = cpu_kernels.for_decode(q, keys, values, mask)
-        if kernels is not None and self.head_dim % 8 == 0 and keys.stride(-1) == 1 and values.stride(-1) == 1:
-            flat_mask = None if mask is None else mask.reshape(mask.shape[0], mask.shape[-1]).contiguous()
-            return kernels.decode_attention(q.contiguous(), keys, values, flat_mask, self.scale)
+        (not so in bfloat16); the same result up to float rounding."""
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [num_seqs, num_heads, 1, head_dim]

@@ -74,42 +74,53 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   return {out, sum};
 }
 
-// One query per sequence: q [S, H, d] contiguous; keys, values [S, KVH, L, d] (any strides, the last
-// 1), query head h reading KV head h / (H / KVH); mask [S, L] additive or undefined (every key).
-// -> softmax(q·kᵀ·scale + mask)·v as [S, H · d]. d a multiple of 8.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
-                               double scale) {
+// One query per sequence, reading the layer's paged KV cache in place (no gather): q [S, H, d];
+// k_cache, v_cache [N, KVH, d] (slots); slots [S, L] int64, the slot of each of sequence s's keys;
+// kv_head [H] int64, the KV head each query head reads; mask [S, L] additive or undefined (every
+// key; -inf: never read). -> softmax(q·kᵀ·scale + mask)·v as [S, H · d]. d a multiple of 8.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                     torch::Tensor kv_head, c10::optional<torch::Tensor> mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [S, H, d]");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat
-              && values.scalar_type() == at::kFloat && keys.stride(3) == 1 && values.stride(3) == 1,
-              "keys, values: float32 [S, KVH, L, d], unit stride in d");
-  const int64_t S = q.size(0), H = q.size(1), d = q.size(2), KVH = keys.size(1), L = keys.size(2);
-  TORCH_CHECK(keys.size(0) == S && keys.size(3) == d && H % KVH == 0 && d % 8 == 0, "shapes: q [S, H, d], keys [S, KVH, L, d]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kFloat
+              && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k_cache, v_cache: contiguous float32 [slots, KVH, d]");
+  const int64_t S = q.size(0), H = q.size(1), d = q.size(2), N = k_cache.size(0), KVH = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d && d % 8 == 0, "the caches' head size must be q's, a multiple of 8");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == S && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots: contiguous int64 [S, L]");
+  TORCH_CHECK(kv_head.numel() == H && kv_head.scalar_type() == at::kLong && kv_head.is_contiguous(), "kv_head: int64 [H]");
+  const int64_t L = slots.size(1);
   const float* mp = nullptr;
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->is_contiguous() && mask->numel() == S * L, "mask: float32 [S, L]");
     mp = mask->data_ptr<float>();
   }
-  const int64_t G = H / KVH;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* hp = kv_head.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * L; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < N, "a slot outside the cache");
+  for (int64_t h = 0; h < H; ++h) TORCH_CHECK(hp[h] >= 0 && hp[h] < KVH, "a KV head outside the cache");
   auto out = torch::empty({S, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
-  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, S * H, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> p(L);  // scores, then probabilities
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t s = b / H, h = b % H, kh = h / G;
+      const int64_t s = b / H, h = b % H;
       const float* qh = qp + b * d;
-      const float* kb = kp + s * ks0 + kh * ks1;
-      const float* vb = vp + s * vs0 + kh * vs1;
+      const int64_t* ss = sp + s * L;
+      const float* ms = mp ? mp + s * L : nullptr;
+      const int64_t row = KVH * d, off = hp[h] * d;  // a slot's floats; the KV head's within it
       float mx = neg_inf;
       for (int64_t t = 0; t < L; ++t) {
-        const float* kt = kb + t * ks2;
+        if (ms && ms[t] == neg_inf) {
+          p[t] = neg_inf;
+          continue;
+        }
+        const float* kt = kp + ss[t] * row + off;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 16 <= d; i += 16) {
@@ -117,7 +128,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
           a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i + 8), _mm256_loadu_ps(qh + i + 8), a1);
         }
         if (i < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qh + i), a0);
-        p[t] = hsum(_mm256_add_ps(a0, a1)) * sc + (mp ? mp[s * L + t] : 0.f);
+        p[t] = hsum(_mm256_add_ps(a0, a1)) * sc + (ms ? ms[t] : 0.f);
         mx = std::max(mx, p[t]);
       }
       if (mx == neg_inf) mx = 0.f;  // every key masked: zeros
@@ -139,8 +150,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
         const bool two = i + 16 <= d;
         __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
         for (int64_t t = 0; t < L; ++t) {
+          if (p[t] == 0.f) continue;  // masked (never read) or too small to count
           const __m256 w = _mm256_set1_ps(p[t]);
-          const float* vt = vb + t * vs2 + i;
+          const float* vt = vp + ss[t] * row + off + i;
           c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt), c0);
           if (two) c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8), c1);
         }
