@@ -10,6 +10,8 @@ import functools
 import glob
 import logging
 import os
+import shutil
+import sys
 
 import torch
 
@@ -32,6 +34,10 @@ def _build():
         return f"the CPU lacks {', '.join(missing)}"
     from torch.utils.cpp_extension import load
 
+    if shutil.which("ninja") is None:  # torch runs `ninja` from PATH; pip's ninja sits beside this interpreter
+        here = os.path.dirname(sys.executable)
+        if os.path.exists(os.path.join(here, "ninja")):
+            os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     logger.info("Loading tpspec's CPU kernels (compiled on first use, ~40 s, then cached by torch)")
     try:
         module = load(name="tpspec_cpu_kernels", sources=_SOURCES, verbose=False,
