@@ -488,8 +488,8 @@ def resolve_quantization(quantization: str | None, dtype: str, device_type: str)
     elsewhere None. "q4_1" keeps weights that are exactly Q4_1 (the default model's layers) 4-bit
     and multiplies them exactly (up to summation order) up to 8 rows a product, through the "fp16"
     copy past that, so it is never further from float32 than "fp16": on the default model it decoded
-    one sequence 1.3x as fast as "fp16" on an AVX2 CPU, and "fp16" 1.86x as fast as float32
-    weights (benchmarks/README.md, float16 weights; Q4_1 weights). The bound either is held to:
+    one sequence 1.25-1.31x as fast as "fp16" on an AVX2 CPU, and "fp16" 1.86x as fast as float32
+    weights (benchmarks/README.md: CPU kernels; float16 weights). The bound either is held to:
     at least 28 of 32 greedy 64-token HumanEval sequences identical to float32's and chosen-token
     logprobs within 0.05 nats (``benchmarks/dtype_agreement.py``). ``none`` (or None): off."""
     if quantization is not None and quantization not in QUANTIZATION_OPTIONS:

@@ -225,7 +225,7 @@ class Attention(nn.Module):
     K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``),
     except for a lone sequence in consecutive slots, read in place (``contiguous_slots``), and for
     float32 decode steps on CPU where ``cpu_kernels`` are loaded: their paged_decode_attention reads
-    every sequence's keys in the cache in place (2-3x SDPA's speed, and no gather).
+    every sequence's keys in the cache in place (no gather; 1.6-3x SDPA's speed at one sequence).
     Per ``QueryGroup``: decodes in float32 (float16 attends in float32) go through PyTorch's fused
     SDPA; everything else (prefill, k + 1 speculative queries, bfloat16) through two batched
     matmuls over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.

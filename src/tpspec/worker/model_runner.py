@@ -17,8 +17,8 @@ from tqdm import tqdm
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
-from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
 from tpspec.layers import cpu_kernels
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
 from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
