@@ -1,7 +1,8 @@
 """tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 product
 (``layers.q4_1``), and the decode step's RMSNorm with its residual add and single-query attention
-(``decode_ops.cpp``), each one call where PyTorch dispatches 5-10 small ops. Built with the
-machine's C++ compiler on first use (~40 s) and cached by torch; ``make install`` builds them.
+over the paged KV cache (``decode_ops.cpp``), each one call where PyTorch dispatches several ops
+(and gathers the keys). Built with the machine's C++ compiler (and ninja) at the first engine
+start, ~40 s (``make demo`` starts one), then cached by torch.
 """
 
 from __future__ import annotations
