@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct) with the default settings (float32 on CPU, its linear
-weights kept Q4_1 where tpspec's CPU kernels build, in float16 otherwise: ``--quantization auto``) generates the same greedy tokens as transformers in
-float32, loading the same GGUF file through its own, independent GGUF reader."""
+weights kept Q4_1 where tpspec's CPU kernels build, in float16 otherwise: ``--quantization auto``)
+generates the same greedy tokens as transformers in float32, loading the same GGUF file through its
+own, independent GGUF reader."""
 
 from __future__ import annotations
 

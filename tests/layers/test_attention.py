@@ -1,8 +1,9 @@
 """``Attention`` over the paged KV cache against a plain per-sequence softmax attention: prefill
-chunks, speculative (k + 1 query) steps and decode steps (the fused-SDPA path), batched with
-padding and across query-length groups, decodes also through tpspec's CPU kernel (``cpu_kernels_mode``), with a non-causal draft block, uniform GQA groups and an
-uneven head split, in float32, float16 and bfloat16, with each sequence's blocks scattered or
-consecutive (a lone sequence in consecutive blocks is read in place, not gathered). The cache
+chunks, speculative (k + 1 query) steps and decode steps (the fused-SDPA path, and tpspec's CPU
+kernel: ``cpu_kernels_mode``), batched with padding and across query-length groups, with a
+non-causal draft block, uniform GQA groups and an uneven head split, in float32, float16 and
+bfloat16, with each sequence's blocks scattered or consecutive (a lone sequence in consecutive
+blocks is read in place, not gathered). The cache
 holds only the earlier tokens before the call: the attention writes the new tokens' K/V itself."""
 
 from __future__ import annotations

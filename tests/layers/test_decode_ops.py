@@ -33,7 +33,7 @@ def test_rms_norm_layer_takes_the_kernel_only_when_loaded_and_outside_autograd(c
     norm.weight.data.normal_()
     x, residual = torch.randn(4, 64), torch.randn(4, 64)
     calls = []
-    if cpu_kernels.for_decode(x) is not None:
+    if cpu_kernels.usable(x) is not None:
         module = cpu_kernels.kernels()
 
         class Counting:

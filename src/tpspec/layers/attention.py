@@ -274,7 +274,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, md.slot_mapping, v.to(compute))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
-        kernels = cpu_kernels.for_decode(q, k_cache) if md.decode_only and compute == torch.float32 else None
+        kernels = cpu_kernels.usable(q, k_cache) if md.decode_only and compute == torch.float32 else None
         if kernels is not None and d % 8 == 0:  # the cache read in place, no gather
             g = md.groups[0]
             mask = None  # [seqs, max_ctx]; one sequence attending over all its keys: none

@@ -63,10 +63,10 @@ def kernels():
     return module
 
 
-def for_decode(*tensors) -> object | None:
+def usable(*tensors) -> object | None:
     """The module if something built it already (an engine on CPU does, at start) and every one of
     ``tensors`` (None: skipped) is a float32 CPU tensor outside autograd and torch.compile, what the
-    decode ops need; else None. Layers with a PyTorch path take the kernels only then (they never
+    ops of ``decode_ops.cpp`` need; else None. Layers with a PyTorch path take the kernels only then (they never
     build them themselves)."""
     if _MODULE is None or torch.compiler.is_compiling():
         return None

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         """x: [..., hidden_size]. With ``residual``: returns (norm(x + residual), x + residual).
         A float32 [tokens, hidden] on CPU: one call to ``cpu_kernels``' add_rms_norm where they
         are loaded."""
-        kernels = cpu_kernels.for_decode(x, residual, self.weight)
+        kernels = cpu_kernels.usable(x, residual, self.weight)
         if kernels is not None and x.dim() == 2 and x.shape[1] % 8 == 0 and x.is_contiguous() and (
                 residual is None or residual.is_contiguous()):
             out, total = kernels.add_rms_norm(x, residual, self.weight, self.eps)
