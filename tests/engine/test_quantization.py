@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from tpspec import LLM, SamplingParams
 from tpspec.config import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
-from tpspec.layers.q4_1 import q4_1_unavailable
+from tpspec.layers import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
-needs_q4_1_kernel = pytest.mark.skipif(q4_1_unavailable() is not None, reason="no Q4_1 kernel here")
+needs_q4_1_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason="no Q4_1 kernel here")
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown", "import"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -127,8 +127,6 @@ def test_bad_quantization_options_are_refused(tiny_llama):
 
 
 def test_auto_is_q4_1_where_the_kernels_build_else_fp16_only_for_float32_on_cpu(monkeypatch):
-    from tpspec.layers import cpu_kernels
-
     assert resolve_quantization("auto", "float32", "cpu") == ("fp16" if cpu_kernels.unavailable() else "q4_1")
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "the CPU lacks avx2")
     assert resolve_quantization("auto", "float32", "cpu") == "fp16"

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tpspec.layers import cpu_kernels
+from tpspec.layers.attention import Attention, AttentionMetadata
 from tpspec.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
@@ -97,3 +98,24 @@ def test_paged_decode_attention_refuses_slots_outside_the_cache():
     with pytest.raises(RuntimeError, match="a slot outside the cache"):
         cpu_kernels.kernels().paged_decode_attention(torch.zeros(1, 1, 8), k_cache, k_cache, torch.tensor([[3, 8]]),
                                                      torch.tensor([0]), None, 1.0)
+
+
+def test_attention_layer_reads_the_cache_through_the_kernel_for_float32_decode_steps_only(monkeypatch):
+    module, calls = cpu_kernels.kernels(), []
+
+    class Counting:
+        def paged_decode_attention(self, *args):
+            calls.append(args)
+            return module.paged_decode_attention(*args)
+
+    monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    attn = Attention(4, 2, 16, torch.tensor([0, 0, 1, 1]))
+    cache = (torch.randn(64, 2, 16), torch.randn(64, 2, 16))
+    for query_lens, kernel_calls in (([1, 1], 1), ([2, 1], 0)):  # a decode step; one with k + 1 queries
+        calls.clear()
+        md = AttentionMetadata.build(query_lens, [5, 9], [[0, 1], [2, 3, 4]], 4, torch.device("cpu"))
+        n = sum(query_lens)
+        attn(torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16), cache, md)
+        assert len(calls) == kernel_calls
+        if calls:
+            assert calls[0][3] is md.context_slots  # the cache read in place, at every key's slot

@@ -8,10 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from tpspec.layers import cpu_kernels
 from tpspec.layers.linear import Q4_1_MAX_ROWS, LinearBase, pack_cpu_weights, packed_weight_of
-from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, q4_1_linear, q4_1_unavailable, quantize_exact
+from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, q4_1_linear, quantize_exact
 
-needs_kernel = pytest.mark.skipif(q4_1_unavailable() is not None, reason=f"no Q4_1 kernel here: {q4_1_unavailable()}")
+needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                                  reason=f"no Q4_1 kernel here: {cpu_kernels.unavailable()}")
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:

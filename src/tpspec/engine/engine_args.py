@@ -143,9 +143,9 @@ class EngineArgs:
             raise ValueError(f"quantization={quantization!r} needs fbgemm, which this torch build lacks (x86 builds "
                              "have it)")
         if quantization == "q4_1":
-            from tpspec.layers.q4_1 import q4_1_unavailable
+            from tpspec.layers import cpu_kernels
 
-            reason = q4_1_unavailable()
+            reason = cpu_kernels.unavailable()
             if reason:
                 raise ValueError(f"quantization='q4_1' needs tpspec's Q4_1 kernel, unavailable here: {reason}")
         warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None

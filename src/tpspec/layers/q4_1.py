@@ -89,11 +89,6 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([pairs.reshape(out_features, paired, GROUP).to(torch.uint8), tail_q], 1)
 
 
-def q4_1_unavailable() -> str | None:
-    """Why the kernel cannot run here (None: it can; builds ``cpu_kernels`` on first call)."""
-    return cpu_kernels.unavailable()
-
-
 def q4_1_linear(x: torch.Tensor, weight: Q4_1Weight) -> torch.Tensor:
     """x: [num_rows, in_features] -> x · dequantize(weight)ᵀ: [num_rows, out_features] in x's dtype."""
     out = cpu_kernels.kernels().q4_1_linear(x.float().contiguous(), weight.qweight, weight.scales, weight.mins)
