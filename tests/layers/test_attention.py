@@ -17,9 +17,10 @@ BLOCK = 4
 HEAD_DIM = 16
 
 
-def _reference(q, keys, values, kv_of_head, query_start, tail=0):
+def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None):
     """q: [n_q, heads, d] for positions query_start.. ; keys/values: [ctx, kv_heads, d] -> [n_q, heads·d] (float32).
-    The last ``tail`` positions see each other both ways."""
+    The last ``tail`` positions see each other both ways; with ``window``, a query at p sees no key at or
+    before p − window."""
     q, keys, values = q.float(), keys.float(), values.float()
     k = keys[:, kv_of_head]  # [ctx, heads, d]
     v = values[:, kv_of_head]
@@ -28,6 +29,8 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0):
     qpos = query_start + torch.arange(q.shape[0])
     ctx = keys.shape[0]
     visible = (pos[None, :] <= qpos[:, None]) | ((pos[None, :] >= ctx - tail) & (qpos[:, None] >= ctx - tail))
+    if window is not None:
+        visible &= pos[None, :] > qpos[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
@@ -91,3 +94,29 @@ def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens,
         new = slots(t, range(kk.shape[0] - n, kk.shape[0]))
         torch.testing.assert_close(k_cache[new], kk[-n:].to(k_cache.dtype))
         torch.testing.assert_close(v_cache[new], vv[-n:].to(v_cache.dtype))
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_sliding_window_attention_matches_reference(window, cpu_kernels_mode):
+    """Gemma 3's local layers: decodes, k + 1 queries, a prefill chunk and a non-causal draft block in
+    one step, each query seeing its window's keys only (float32: the kernel's path where loaded)."""
+    g = torch.Generator().manual_seed(window)
+    query_lens, context_lens, tail = [1, 4, 9, 3], [17, 12, 30, 10], [0, 0, 0, 3]
+    tables = [[10 * i + j for j in range(-(-c // BLOCK))] for i, c in enumerate(context_lens)]
+    k_cache = torch.zeros(64 * BLOCK, 2, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    keys = [torch.randn(c, 2, HEAD_DIM, generator=g) for c in context_lens]
+    values = [torch.randn(c, 2, HEAD_DIM, generator=g) for c in context_lens]
+    for t, kk, vv, n in zip(tables, keys, values, query_lens):
+        earlier = torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for p in range(kk.shape[0] - n)], dtype=torch.int64)
+        k_cache[earlier], v_cache[earlier] = kk[: kk.shape[0] - n], vv[: vv.shape[0] - n]
+    q = [torch.randn(n, 4, HEAD_DIM, generator=g) for n in query_lens]
+    md = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK, torch.device("cpu"), non_causal_tail=tail)
+    attn = Attention(4, 2, HEAD_DIM, torch.tensor([0, 0, 1, 1]), sliding_window=window)
+    out = attn(torch.cat(q), torch.cat([kk[-n:] for kk, n in zip(keys, query_lens)]),
+               torch.cat([vv[-n:] for vv, n in zip(values, query_lens)]), (k_cache, v_cache), md)
+    ref = torch.cat([
+        _reference(qq, kk, vv, [0, 0, 1, 1], c - n, b, window)
+        for qq, kk, vv, c, n, b in zip(q, keys, values, context_lens, query_lens, tail)
+    ])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

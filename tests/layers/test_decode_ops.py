@@ -1,7 +1,7 @@
 """tpspec's CPU decode ops (layers.cpu_kernels, csrc/decode_ops.cpp) against PyTorch: the RMSNorm
-with its residual add and single-query attention over the paged KV cache (grouped and uneven KV
-heads, scattered slots, padding masks, head sizes off the kernel's 16-wide step); the layers take them only when loaded and outside
-autograd."""
+with its residual add, and attention of a few queries per sequence over the paged KV cache, each
+over its own key range (grouped and uneven KV heads, scattered slots, windows, head sizes and key
+counts off the kernel's blocks); the layers take them only when loaded and outside autograd."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tpspec.layers import cpu_kernels
-from tpspec.layers.attention import Attention, AttentionMetadata
+from tpspec.layers.attention import KERNEL_MAX_QUERY_LEN, Attention, AttentionMetadata
 from tpspec.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
@@ -52,70 +52,99 @@ def test_rms_norm_layer_takes_the_kernel_only_when_loaded_and_outside_autograd(c
     assert trained.grad is not None and len(calls) == (cpu_kernels_mode == "cpu-kernels")
 
 
-def _reference(q, k_cache, v_cache, slots, kv_head, mask, scale):
-    """Gathered keys through SDPA in float64: q [S, H, d], caches [N, KVH, d], slots [S, L] -> [S, H·d]."""
-    keys = k_cache[slots][:, :, kv_head].permute(0, 2, 1, 3).double()  # [S, H, L, d]
-    values = v_cache[slots][:, :, kv_head].permute(0, 2, 1, 3).double()
-    bias = None if mask is None else mask[:, None, None].double()
-    out = F.scaled_dot_product_attention(q.unsqueeze(2).double(), keys, values, attn_mask=bias, scale=scale)
-    return out.reshape(q.shape[0], -1).float()
+def _reference(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale):
+    """Per query, its key range gathered, softmax attention in float64: q [T, H, d], caches [N, KVH, d],
+    slots [S, L], token_seq [T], key_range [T, 2] -> [T, H·d]."""
+    out = []
+    for t in range(q.shape[0]):
+        first, end = key_range[t].tolist()
+        rows = slots[token_seq[t], first:end]
+        keys, values = k_cache[rows][:, kv_head].double(), v_cache[rows][:, kv_head].double()  # [n, H, d]
+        if end == first:
+            out.append(torch.zeros(q.shape[1] * q.shape[2]))
+            continue
+        probs = (torch.einsum("hd,khd->hk", q[t].double(), keys) * scale).softmax(-1)
+        out.append(torch.einsum("hk,khd->hd", probs, values).reshape(-1).float())
+    return torch.stack(out)
 
 
-@pytest.mark.parametrize("kv_head", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1], [0, 0]])  # GQA groups; uneven; d = 8
+@pytest.mark.parametrize("kv_head", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 0], [0, 0]])  # GQA; uneven; d = 8
 @pytest.mark.parametrize("length", [1, 7, 8, 33, 300])
-def test_paged_decode_attention_equals_sdpa_over_scattered_slots(kv_head, length):
-    heads, kv_heads, d = len(kv_head), max(kv_head) + 1, {9: 64, 4: 24, 2: 8}[len(kv_head)]
-    g = torch.Generator().manual_seed(length + d)
+@pytest.mark.parametrize("queries", [1, 4])
+def test_paged_attention_equals_a_gathered_softmax_over_scattered_slots(kv_head, length, queries):
+    """Causal queries (the last ``queries`` positions) of one sequence, its keys anywhere in the cache;
+    head sizes off the kernel's 64-column block (24) and its 8-key block (lengths 1, 7, 33)."""
+    heads, kv_heads, d = len(kv_head), max(kv_head) + 1, {9: 64, 7: 24, 2: 8}[len(kv_head)]
+    g = torch.Generator().manual_seed(length + d + queries)
     k_cache, v_cache = torch.randn(2, 2 * length + 5, kv_heads, d, generator=g)  # [slots, kv_heads, d]
-    slots = torch.randperm(2 * length + 5, generator=g)[:length].view(1, length)  # the keys anywhere in the cache
-    q = torch.randn(1, heads, d, generator=g)
+    slots = torch.randperm(2 * length + 5, generator=g)[:length].view(1, length)
+    queries = min(queries, length)
+    q = torch.randn(queries, heads, d, generator=g)
+    token_seq = torch.zeros(queries, dtype=torch.int64)
+    key_range = torch.tensor([[0, length - queries + 1 + i] for i in range(queries)])
     kv_head = torch.tensor(kv_head)
-    out = cpu_kernels.kernels().paged_decode_attention(q, k_cache, v_cache, slots, kv_head, None, d**-0.5)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, slots, kv_head, None, d**-0.5), rtol=1e-5, atol=1e-5)
+    out = cpu_kernels.kernels().paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, d**-0.5)
+    ref = _reference(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, d**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_attention_masks_padded_keys_without_reading_them():
+def test_paged_attention_reads_only_each_querys_key_range():
+    """Several sequences' queries, padded slot rows, windows and empty ranges: keys outside a query's
+    range are never read (NaN there would show), an empty range gives zeros."""
     g = torch.Generator().manual_seed(0)
-    lengths = [5, 19, 1]
-    k_cache, v_cache = torch.randn(2, 40, 2, 16, generator=g)
-    slots = torch.randint(1, 40, (3, 19), generator=g)  # never slot 0
-    mask = torch.tensor([[0.0 if t < n else float("-inf") for t in range(19)] for n in lengths])  # [S, L]
+    k_cache, v_cache = torch.randn(2, 60, 2, 16, generator=g)
+    slots = torch.randint(1, 60, (3, 19), generator=g)  # never slot 0
+    token_seq = torch.tensor([0, 1, 1, 1, 2, 0])
+    key_range = torch.tensor([[0, 5], [0, 17], [3, 18], [10, 19], [0, 1], [2, 2]])  # causal, windows, one key, none
+    read = torch.zeros(3, 19, dtype=torch.bool)
+    for s, (first, end) in zip(token_seq.tolist(), key_range.tolist()):
+        read[s, first:end] = True
+    poisoned = torch.where(read, slots, 0)  # every slot no query reads points at slot 0, NaN
     poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
-    poisoned_k[0], poisoned_v[0] = float("nan"), float("nan")  # slot 0: where padding points
-    padded = torch.where(mask == 0, slots, 0)
-    q = torch.randn(3, 4, 16, generator=g)
+    poisoned_k[0], poisoned_v[0] = float("nan"), float("nan")
+    q = torch.randn(6, 4, 16, generator=g)
     kv_head = torch.tensor([0, 0, 1, 1])
-    out = cpu_kernels.kernels().paged_decode_attention(q, poisoned_k, poisoned_v, padded, kv_head, mask, 0.25)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, slots, kv_head, mask, 0.25), rtol=1e-5, atol=1e-5)
-    for s, n in enumerate(lengths):  # the same as attending over the sequence's own keys alone
-        alone = cpu_kernels.kernels().paged_decode_attention(q[s : s + 1], k_cache, v_cache, slots[s : s + 1, :n].contiguous(),
-                                                             kv_head, None, 0.25)
-        torch.testing.assert_close(out[s : s + 1], alone, rtol=1e-5, atol=1e-5)
+    out = cpu_kernels.kernels().paged_attention(q, poisoned_k, poisoned_v, poisoned, token_seq, key_range, kv_head, 0.25)
+    ref = _reference(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[5], torch.zeros(64))
 
 
-def test_paged_decode_attention_refuses_slots_outside_the_cache():
+@pytest.mark.parametrize("slots,token_seq,key_range,message", [
+    ([[3, 8]], [0], [[0, 2]], "a slot outside the cache"),
+    ([[3, 4]], [1], [[0, 2]], "a query of a sequence outside slots"),
+    ([[3, 4]], [0], [[0, 3]], "a key range outside"),
+    ([[3, 4]], [0], [[2, 1]], "a key range outside"),
+])
+def test_paged_attention_refuses_indices_outside_its_inputs(slots, token_seq, key_range, message):
     k_cache = torch.zeros(8, 1, 8)
-    with pytest.raises(RuntimeError, match="a slot outside the cache"):
-        cpu_kernels.kernels().paged_decode_attention(torch.zeros(1, 1, 8), k_cache, k_cache, torch.tensor([[3, 8]]),
-                                                     torch.tensor([0]), None, 1.0)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.kernels().paged_attention(torch.zeros(1, 1, 8), k_cache, k_cache, torch.tensor(slots),
+                                              torch.tensor(token_seq), torch.tensor(key_range), torch.tensor([0]), 1.0)
 
 
-def test_attention_layer_reads_the_cache_through_the_kernel_for_float32_decode_steps_only(monkeypatch):
+def test_attention_layer_takes_the_kernel_for_float32_steps_of_short_queries_only(monkeypatch):
     module, calls = cpu_kernels.kernels(), []
 
     class Counting:
-        def paged_decode_attention(self, *args):
+        def paged_attention(self, *args):
             calls.append(args)
-            return module.paged_decode_attention(*args)
+            return module.paged_attention(*args)
 
     monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
     attn = Attention(4, 2, 16, torch.tensor([0, 0, 1, 1]))
-    cache = (torch.randn(64, 2, 16), torch.randn(64, 2, 16))
-    for query_lens, kernel_calls in (([1, 1], 1), ([2, 1], 0)):  # a decode step; one with k + 1 queries
+    cache = (torch.randn(128, 2, 16), torch.randn(128, 2, 16))
+    longest = KERNEL_MAX_QUERY_LEN
+    for query_lens, kernel_calls in (([1, 1], 1), ([4, 1], 1), ([longest, 1], 1), ([longest + 1, 1], 0)):
         calls.clear()
-        md = AttentionMetadata.build(query_lens, [5, 9], [[0, 1], [2, 3, 4]], 4, torch.device("cpu"))
+        md = AttentionMetadata.build(query_lens, [longest + 5, 9], [list(range(6)), [8, 7, 6]], 4, torch.device("cpu"))
         n = sum(query_lens)
         attn(torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16), cache, md)
         assert len(calls) == kernel_calls
         if calls:
             assert calls[0][3] is md.context_slots  # the cache read in place, at every key's slot
+    calls.clear()
+    md = AttentionMetadata.build([1], [9], [[0, 1, 2]], 4, torch.device("cpu"))
+    bf16_cache = (cache[0].bfloat16(), cache[1].bfloat16())
+    attn(torch.randn(1, 4, 16).bfloat16(), torch.randn(1, 2, 16).bfloat16(), torch.randn(1, 2, 16).bfloat16(), bf16_cache, md)
+    assert not calls  # bfloat16 attends through PyTorch

@@ -53,6 +53,12 @@ def allocate_kv_cache(
 SMALL_QUERY_CLASS = 8
 
 
+# Up to this many new tokens per sequence (decodes, k + 1 verification queries, draft blocks), float32
+# attention on CPU goes through cpu_kernels' paged_attention where it is loaded; past it, a long
+# prefill chunk, through PyTorch's batched matmuls.
+KERNEL_MAX_QUERY_LEN = 16
+
+
 def query_length_class(query_len: int) -> int:
     """Sequences of one class attend in one call, their queries padded to the longest: 1 (decodes),
     2 … SMALL_QUERY_CLASS, then each next power of two (padding at most doubles the queries)."""
@@ -107,10 +113,26 @@ class AttentionMetadata:
     # [num_tokens] where each token's output is in the groups' outputs concatenated; None: in token order
     output_order: torch.Tensor | None
     decode_only: bool  # every sequence feeds exactly one token: one group, no query padding
+    # For the CPU kernel (paged_attention), which reads each query's keys in the cache in place:
+    token_seq: torch.Tensor  # [num_tokens] the row of context_slots of each token's sequence
+    token_pos: torch.Tensor  # [num_tokens] absolute position of each token
+    key_end: torch.Tensor  # [num_tokens] how many of its sequence's first keys each token sees
+    max_query_len: int  # the step's most new tokens of one sequence
     # (first slot, max_context) when the step has one sequence and its keys fill consecutive slots
     # (consecutive blocks): attention reads them in place instead of gathering them; None otherwise
     contiguous_slots: tuple[int, int] | None = None
     _head_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _key_ranges: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def key_range(self, window: int | None) -> torch.Tensor:
+        """[num_tokens, 2] int64: the first and one-past-last key of its sequence each token attends
+        to, for a layer with that sliding window (None: every earlier key); built once per step and window."""
+        ranges = self._key_ranges.get(window)
+        if ranges is None:
+            first = torch.zeros_like(self.key_end) if window is None else (self.token_pos - window + 1).clamp_(min=0)
+            ranges = torch.stack([first, self.key_end], dim=1)
+            self._key_ranges[window] = ranges
+        return ranges
 
     def head_rows(self, kv_heads: int, heads: tuple[int, ...]) -> torch.Tensor:
         """Rows of a layer's cache viewed as ``[num_slots · kv_heads, head_dim]`` that hold each
@@ -189,6 +211,12 @@ class AttentionMetadata:
             table = block_tables[0][: -(-max_ctx // block_size)]
             if table == list(range(table[0], table[0] + len(table))):
                 contiguous = (table[0] * block_size, max_ctx)
+        # Per token: its sequence's row of context_slots and the keys it sees (causal; a
+        # non-causal tail sees the whole block).
+        row_of_seq = torch.empty(num_seqs, dtype=torch.int64)
+        row_of_seq[order_t] = torch.arange(num_seqs)
+        in_tail = token_pos >= (ctx - tail)[token_seq]
+        key_end = torch.where(in_tail, ctx[token_seq], token_pos + 1)
         output_order = None
         if len(groups) > 1:
             rows = torch.cat([g.token_rows.cpu() for g in groups])  # [num_tokens] token of each concatenated output
@@ -201,6 +229,10 @@ class AttentionMetadata:
             groups=groups,
             output_order=output_order,
             decode_only=len(groups) == 1 and groups[0].decode,
+            token_seq=row_of_seq[token_seq].to(device),
+            token_pos=token_pos.to(device),
+            key_end=key_end.to(device),
+            max_query_len=max(query_lens),
             contiguous_slots=contiguous,
         )
 
@@ -274,15 +306,11 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, md.slot_mapping, v.to(compute))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
-        kernels = cpu_kernels.usable(q, k_cache) if md.decode_only and compute == torch.float32 else None
-        if kernels is not None and d % 8 == 0:  # the cache read in place, no gather
-            g = md.groups[0]
-            mask = None  # [seqs, max_ctx]; one sequence attending over all its keys: none
-            if num_seqs > 1 or self.sliding_window is not None:
-                bias = g.attn_bias if self.sliding_window is None else g.window_bias(self.sliding_window)
-                mask = bias.reshape(num_seqs, max_ctx)
-            out = kernels.paged_decode_attention(q.to(compute).contiguous(), k_cache, v_cache, md.context_slots,
-                                                 self.kv_head_of_head, mask, self.scale)
+        short = md.max_query_len <= KERNEL_MAX_QUERY_LEN and compute == torch.float32
+        kernels = cpu_kernels.usable(q, k_cache) if short and d % 8 == 0 else None
+        if kernels is not None:  # the cache read in place, no gather
+            out = kernels.paged_attention(q.to(compute).contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
+                                          md.key_range(self.sliding_window), self.kv_head_of_head, self.scale)
             return out.to(k.dtype)
         # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
         if md.contiguous_slots is not None and self.uniform_groups and not torch.compiler.is_compiling():

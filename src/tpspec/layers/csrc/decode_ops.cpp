@@ -1,10 +1,12 @@
-// Float32 ops of a decode step on x86 with AVX2 and FMA (tpspec.layers.cpu_kernels), one call each:
-// RMSNorm with its residual add, where PyTorch dispatches 5-10 ops (~20-30 us for a row of 576), and
-// single-query attention reading the paged KV cache in place, where PyTorch gathers the keys first.
+// Float32 ops of decode and verification steps on x86 with AVX2 and FMA (tpspec.layers.cpu_kernels),
+// one call each: RMSNorm with its residual add, where PyTorch dispatches 5-10 ops (~20-30 us for a row
+// of 576), and attention of a few queries per sequence reading the paged KV cache in place, where
+// PyTorch gathers the keys first.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -75,90 +77,159 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   return {out, sum};
 }
 
-// One query per sequence, reading the layer's paged KV cache in place (no gather): q [S, H, d];
-// k_cache, v_cache [N, KVH, d] (slots); slots [S, L] int64, the slot of each of sequence s's keys;
-// kv_head [H] int64, the KV head each query head reads; mask [S, L] additive or undefined (every
-// key; -inf: never read). -> softmax(q·kᵀ·scale + mask)·v as [S, H · d]. d a multiple of 8.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                                     torch::Tensor kv_head, c10::optional<torch::Tensor> mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [S, H, d]");
+// Queries of any number of sequences over the layer's paged KV cache, read in place (no gather):
+// q [T, H, d]; k_cache, v_cache [N, KVH, d] (slots); slots [S, L] int64, the slot of each of sequence
+// s's keys; token_seq [T] int64, the row of slots each query reads; key_range [T, 2] int64, the
+// first and one-past-last of those keys it attends to (a causal query: 0 and its position + 1);
+// kv_head [H] int64, the KV head each query head reads. -> softmax(q·kᵀ·scale)·v as [T, H · d].
+// Work items are (query, up to MAX_HEADS query heads of one KV head): each key is loaded once for
+// the item's heads. d a multiple of 8.
+static constexpr int64_t MAX_HEADS = 4;
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [T, H, d]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kFloat
               && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache, v_cache: contiguous float32 [slots, KVH, d]");
-  const int64_t S = q.size(0), H = q.size(1), d = q.size(2), N = k_cache.size(0), KVH = k_cache.size(1);
+  const int64_t T = q.size(0), H = q.size(1), d = q.size(2), N = k_cache.size(0), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && d % 8 == 0, "the caches' head size must be q's, a multiple of 8");
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == S && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "slots: contiguous int64 [S, L]");
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: contiguous int64 [S, L]");
+  TORCH_CHECK(token_seq.numel() == T && token_seq.scalar_type() == at::kLong && token_seq.is_contiguous(),
+              "token_seq: int64 [T]");
+  TORCH_CHECK(key_range.numel() == 2 * T && key_range.scalar_type() == at::kLong && key_range.is_contiguous(),
+              "key_range: int64 [T, 2]");
   TORCH_CHECK(kv_head.numel() == H && kv_head.scalar_type() == at::kLong && kv_head.is_contiguous(), "kv_head: int64 [H]");
-  const int64_t L = slots.size(1);
-  const float* mp = nullptr;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->is_contiguous() && mask->numel() == S * L, "mask: float32 [S, L]");
-    mp = mask->data_ptr<float>();
-  }
+  const int64_t S = slots.size(0), L = slots.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* tsp = token_seq.data_ptr<int64_t>();
+  const int64_t* kr = key_range.data_ptr<int64_t>();
   const int64_t* hp = kv_head.data_ptr<int64_t>();
   for (int64_t i = 0; i < S * L; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < N, "a slot outside the cache");
-  for (int64_t h = 0; h < H; ++h) TORCH_CHECK(hp[h] >= 0 && hp[h] < KVH, "a KV head outside the cache");
-  auto out = torch::empty({S, H * d}, q.options());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(tsp[t] >= 0 && tsp[t] < S, "a query of a sequence outside slots");
+    TORCH_CHECK(kr[2 * t] >= 0 && kr[2 * t] <= kr[2 * t + 1] && kr[2 * t + 1] <= L, "a key range outside [0, L]");
+  }
+  // Query heads by KV head, in chunks of at most MAX_HEADS, halved while there are fewer work items
+  // than twice the threads (one sequence's decode: 3 KV heads on 2 threads).
+  std::vector<std::vector<int64_t>> by_kv(KVH);
+  for (int64_t h = 0; h < H; ++h) {
+    TORCH_CHECK(hp[h] >= 0 && hp[h] < KVH, "a KV head outside the cache");
+    by_kv[hp[h]].push_back(h);
+  }
+  int64_t width = MAX_HEADS;
+  auto chunk_heads = [&](int64_t w) {
+    std::vector<std::vector<int64_t>> chunks;
+    for (const auto& heads : by_kv)
+      for (size_t i = 0; i < heads.size(); i += w)
+        chunks.emplace_back(heads.begin() + i, heads.begin() + std::min(heads.size(), i + w));
+    return chunks;
+  };
+  auto chunks = chunk_heads(width);
+  while (width > 1 && T * static_cast<int64_t>(chunks.size()) < 2 * at::get_num_threads()) chunks = chunk_heads(width /= 2);
+  const int64_t C = chunks.size();
+  auto out = torch::empty({T, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, S * H, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(L);  // scores, then probabilities
+  const int64_t row = KVH * d;  // a slot's floats
+  at::parallel_for(0, T * C, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p(MAX_HEADS * L);  // per head of the item: scores, then probabilities
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t s = b / H, h = b % H;
-      const float* qh = qp + b * d;
-      const int64_t* ss = sp + s * L;
-      const float* ms = mp ? mp + s * L : nullptr;
-      const int64_t row = KVH * d, off = hp[h] * d;  // a slot's floats; the KV head's within it
-      float mx = neg_inf;
-      for (int64_t t = 0; t < L; ++t) {
-        if (ms && ms[t] == neg_inf) {
-          p[t] = neg_inf;
-          continue;
-        }
-        const float* kt = kp + ss[t] * row + off;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 16 <= d; i += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qh + i), a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i + 8), _mm256_loadu_ps(qh + i + 8), a1);
-        }
-        if (i < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qh + i), a0);
-        p[t] = hsum(_mm256_add_ps(a0, a1)) * sc + (ms ? ms[t] : 0.f);
-        mx = std::max(mx, p[t]);
+      const int64_t t = b / C;
+      const std::vector<int64_t>& heads = chunks[b % C];
+      const int64_t G = heads.size(), first = kr[2 * t], n = kr[2 * t + 1] - first;
+      const int64_t off = hp[heads[0]] * d;  // the KV head's floats within a slot
+      const int64_t* ss = sp + tsp[t] * L + first;
+      float* out_t = op + t * H * d;
+      if (n == 0) {  // no key: zeros
+        for (int64_t j = 0; j < G; ++j) std::fill(out_t + heads[j] * d, out_t + (heads[j] + 1) * d, 0.f);
+        continue;
       }
-      if (mx == neg_inf) mx = 0.f;  // every key masked: zeros
-      const __m256 vmx = _mm256_set1_ps(mx);
-      __m256 tot = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + 8 <= L; t += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p.data() + t), vmx));
-        _mm256_storeu_ps(p.data() + t, e);
-        tot = _mm256_add_ps(tot, e);
+      const float* qh[MAX_HEADS];
+      float mx[MAX_HEADS];
+      __m256 mx8[MAX_HEADS];
+      for (int64_t j = 0; j < G; ++j) {
+        qh[j] = qp + (t * H + heads[j]) * d;
+        mx[j] = -std::numeric_limits<float>::infinity();
+        mx8[j] = _mm256_set1_ps(mx[j]);
       }
-      float total = hsum(tot);
-      for (; t < L; ++t) {
-        p[t] = p[t] == neg_inf ? 0.f : std::exp(p[t] - mx);
-        total += p[t];
-      }
-      const __m256 inv = _mm256_set1_ps(total > 0.f ? 1.f / total : 0.f);
-      for (int64_t i = 0; i < d; i += 16) {  // two 8-wide columns at a time (d a multiple of 8)
-        const bool two = i + 16 <= d;
-        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
-        for (int64_t t = 0; t < L; ++t) {
-          if (p[t] == 0.f) continue;  // masked (never read) or too small to count
-          const __m256 w = _mm256_set1_ps(p[t]);
-          const float* vt = vp + ss[t] * row + off + i;
-          c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt), c0);
-          if (two) c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8), c1);
+      // Scores of 8 keys at a time per head: 8 dot products reduced into one vector.
+      int64_t u = 0;
+      for (; u + 8 <= n; u += 8) {
+        const float* kt[8];
+        for (int e = 0; e < 8; ++e) kt[e] = kp + ss[u + e] * row + off;
+        for (int64_t j = 0; j < G; ++j) {
+          __m256 a[8];
+          for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
+          for (int64_t i = 0; i < d; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh[j] + i);
+            for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[e] + i), qv, a[e]);
+          }
+          const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+          const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+          const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+          // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of s0123, the same for k4..k7 in s4567
+          const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+          const __m256 scores = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(sc));
+          _mm256_storeu_ps(p.data() + j * L + u, scores);
+          mx8[j] = _mm256_max_ps(mx8[j], scores);
         }
-        _mm256_storeu_ps(op + b * d + i, _mm256_mul_ps(c0, inv));
-        if (two) _mm256_storeu_ps(op + b * d + i + 8, _mm256_mul_ps(c1, inv));
+      }
+      for (int64_t j = 0; j < G; ++j) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx8[j]);
+        for (int e = 0; e < 8; ++e) mx[j] = std::max(mx[j], lanes[e]);
+      }
+      for (; u < n; ++u) {
+        const float* kt = kp + ss[u] * row + off;
+        for (int64_t j = 0; j < G; ++j) {
+          __m256 a0 = _mm256_setzero_ps();
+          for (int64_t i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qh[j] + i), a0);
+          const float score = hsum(a0) * sc;
+          p[j * L + u] = score;
+          mx[j] = std::max(mx[j], score);
+        }
+      }
+      __m256 inv[MAX_HEADS];
+      for (int64_t j = 0; j < G; ++j) {
+        float* pj = p.data() + j * L;
+        const __m256 vmx = _mm256_set1_ps(mx[j]);
+        __m256 tot = _mm256_setzero_ps();
+        int64_t u = 0;
+        for (; u + 8 <= n; u += 8) {
+          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pj + u), vmx));
+          _mm256_storeu_ps(pj + u, e);
+          tot = _mm256_add_ps(tot, e);
+        }
+        float total = hsum(tot);
+        for (; u < n; ++u) {
+          pj[u] = std::exp(pj[u] - mx[j]);
+          total += pj[u];
+        }
+        inv[j] = _mm256_set1_ps(1.f / total);  // total >= 1: the largest score's term is 1
+      }
+      // Each head's output 64 columns (8 vectors) at a time, over every key.
+      for (int64_t j = 0; j < G; ++j) {
+        const float* pj = p.data() + j * L;
+        for (int64_t i = 0; i < d; i += 64) {
+          const int64_t w = std::min<int64_t>(8, (d - i) / 8);  // vectors in this block
+          __m256 c[8];
+          for (int e = 0; e < 8; ++e) c[e] = _mm256_setzero_ps();
+          for (int64_t u = 0; u < n; ++u) {
+            const float* vt = vp + ss[u] * row + off + i;
+            const __m256 wt = _mm256_set1_ps(pj[u]);
+            if (w == 8) {
+              for (int e = 0; e < 8; ++e) c[e] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * e), c[e]);
+            } else {
+              for (int e = 0; e < w; ++e) c[e] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * e), c[e]);
+            }
+          }
+          float* oj = out_t + heads[j] * d + i;
+          for (int e = 0; e < w; ++e) _mm256_storeu_ps(oj + 8 * e, _mm256_mul_ps(c[e], inv[j]));
+        }
       }
     }
   });
