@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,16 +103,70 @@ class QueryGroup:
 
 
 @dataclass
+class _GroupPlan:
+    """What ``AttentionMetadata.groups`` are built from (NumPy, per sequence in the step's order
+    unless said): the step's query and context lengths, non-causal tails, first tokens, the
+    ``context_slots`` order of the sequences, their classes in that order, and which keys exist
+    ([num_seqs, max_context], in that order)."""
+
+    qlen: np.ndarray
+    ctx: np.ndarray
+    tail: np.ndarray
+    starts: np.ndarray
+    order: np.ndarray
+    ordered_classes: list[int]
+    key_valid: np.ndarray
+    device: torch.device
+
+    def build(self) -> tuple[list[QueryGroup], torch.Tensor | None]:
+        """The groups, and where each token's output is in their outputs concatenated (None: in token order)."""
+        num_seqs, max_ctx = self.key_valid.shape
+        num_tokens = int(self.qlen.sum())
+        qlen, ctx, tail, starts = (torch.from_numpy(a) for a in (self.qlen, self.ctx, self.tail, self.starts))
+        order, key_valid, device = torch.from_numpy(self.order), torch.from_numpy(self.key_valid), self.device
+        pos = torch.arange(max_ctx)
+        groups = []
+        first = 0
+        while first < num_seqs:
+            last = first
+            while last < num_seqs and self.ordered_classes[last] == self.ordered_classes[first]:
+                last += 1
+            members = order[first:last]
+            g_qlen, g_ctx, g_tail = qlen[members], ctx[members], tail[members]
+            max_q = int(g_qlen.max())
+            qpos_local = torch.arange(max_q)
+            query_valid = qpos_local[None, :] < g_qlen[:, None]  # [seqs, max_q]
+            query_index = torch.where(query_valid, starts[members][:, None] + qpos_local[None, :], num_tokens)
+            qpos = (g_ctx - g_qlen)[:, None] + qpos_local[None, :]  # [seqs, max_q] absolute position of each query
+            mask = pos[None, None, :] <= qpos[:, :, None]  # [seqs, max_q, max_ctx]
+            block_start = (g_ctx - g_tail)[:, None]
+            mask = mask | ((pos[None, :] >= block_start)[:, None, :] & (qpos >= block_start)[:, :, None])
+            mask = mask & key_valid[first:last, None, :]
+            mask = mask | ~query_valid[:, :, None]  # padded queries attend somewhere (result discarded)
+            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            groups.append(QueryGroup(
+                first, last, query_index.to(device), query_valid.to(device), query_index[query_valid].to(device),
+                bias[:, None, None].to(device), qpos.to(device),
+            ))
+            first = last
+        output_order = None
+        if len(groups) > 1:
+            rows = torch.cat([g.token_rows.cpu() for g in groups])  # [num_tokens] token of each concatenated output
+            output_order = torch.empty_like(rows)
+            output_order[rows] = torch.arange(num_tokens)
+            output_order = output_order.to(device)
+        return groups, output_order
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step tensors, built once by the model runner and shared by every layer. Sequences are
     kept grouped by ``query_length_class`` (stable within a class): ``context_slots`` row s is
-    the s-th sequence in that order."""
+    the s-th sequence in that order. The per-group tensors of PyTorch's path (``groups``,
+    ``output_order``) are built on first use: a step the CPU kernel attends alone never builds them."""
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token, in the step's token order
     context_slots: torch.Tensor  # [num_seqs, max_context] slots of every key of each sequence (padded with 0)
-    groups: list[QueryGroup]
-    # [num_tokens] where each token's output is in the groups' outputs concatenated; None: in token order
-    output_order: torch.Tensor | None
     decode_only: bool  # every sequence feeds exactly one token: one group, no query padding
     # For the CPU kernel (paged_attention), which reads each query's keys in the cache in place:
     token_seq: torch.Tensor  # [num_tokens] the row of context_slots of each token's sequence
@@ -121,8 +176,25 @@ class AttentionMetadata:
     # (first slot, max_context) when the step has one sequence and its keys fill consecutive slots
     # (consecutive blocks): attention reads them in place instead of gathering them; None otherwise
     contiguous_slots: tuple[int, int] | None = None
+    _group_plan: "_GroupPlan | None" = field(default=None, repr=False)
+    _groups: tuple[list[QueryGroup], torch.Tensor | None] | None = field(default=None, repr=False)
     _head_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
     _key_ranges: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def groups(self) -> list[QueryGroup]:
+        """The step's ``QueryGroup``s, in ``context_slots`` order."""
+        return self._query_groups()[0]
+
+    @property
+    def output_order(self) -> torch.Tensor | None:
+        """[num_tokens] where each token's output is in the groups' outputs concatenated; None: in token order."""
+        return self._query_groups()[1]
+
+    def _query_groups(self) -> tuple[list[QueryGroup], torch.Tensor | None]:
+        if self._groups is None:
+            self._groups = self._group_plan.build()
+        return self._groups
 
     def key_range(self, window: int | None) -> torch.Tensor:
         """[num_tokens, 2] int64: the first and one-past-last key of its sequence each token attends
@@ -161,79 +233,53 @@ class AttentionMetadata:
         """Sequence i feeds ``query_lens[i]`` new tokens that end its first ``context_lens[i]`` tokens.
 
         ``non_causal_tail[i]`` > 0 lets the last that many queries of sequence i see each other
-        in both directions (a parallel draft block); causal everywhere else.
+        in both directions (a parallel draft block); causal everywhere else. Index arithmetic in
+        NumPy (a step's worth of small arrays: a tenth of the time of as many torch ops).
         """
         num_seqs, max_ctx = len(query_lens), max(context_lens)
         num_tokens = sum(query_lens)
-        qlen = torch.tensor(query_lens)
-        ctx = torch.tensor(context_lens)
-        tail = torch.tensor(non_causal_tail) if non_causal_tail is not None else torch.zeros(num_seqs, dtype=torch.int64)
+        qlen = np.asarray(query_lens, dtype=np.int64)
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        tail = np.asarray(non_causal_tail, dtype=np.int64) if non_causal_tail is not None else np.zeros(num_seqs, np.int64)
         width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)  # [num_seqs, width]
+        tables = np.zeros((num_seqs, width), dtype=np.int64)  # [num_seqs, width]
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
         # The new tokens' slots, in token order.
-        token_seq = torch.repeat_interleave(torch.arange(num_seqs), qlen)  # [num_tokens]
-        starts = torch.cumsum(qlen, 0) - qlen  # [num_seqs] first token of each sequence
-        token_pos = (ctx - qlen)[token_seq] + torch.arange(num_tokens) - starts[token_seq]
+        token_seq = np.repeat(np.arange(num_seqs), qlen)  # [num_tokens]
+        starts = np.cumsum(qlen) - qlen  # [num_seqs] first token of each sequence
+        token_pos = (ctx - qlen)[token_seq] + np.arange(num_tokens) - starts[token_seq]
         slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
         classes = [query_length_class(n) for n in query_lens]
-        order = sorted(range(num_seqs), key=classes.__getitem__)  # stable: a class keeps the step's order
-        pos = torch.arange(max_ctx)
-        order_t = torch.tensor(order)
-        slots = tables[order_t][:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
-        key_valid = pos[None, :] < ctx[order_t][:, None]
-        context_slots = torch.where(key_valid, slots, 0)
-        groups = []
-        first = 0
-        while first < num_seqs:
-            last = first
-            while last < num_seqs and classes[order[last]] == classes[order[first]]:
-                last += 1
-            members = order_t[first:last]
-            g_qlen, g_ctx, g_tail = qlen[members], ctx[members], tail[members]
-            max_q = int(g_qlen.max())
-            qpos_local = torch.arange(max_q)
-            query_valid = qpos_local[None, :] < g_qlen[:, None]  # [seqs, max_q]
-            query_index = torch.where(query_valid, starts[members][:, None] + qpos_local[None, :], num_tokens)
-            qpos = (g_ctx - g_qlen)[:, None] + qpos_local[None, :]  # [seqs, max_q] absolute position of each query
-            mask = pos[None, None, :] <= qpos[:, :, None]  # [seqs, max_q, max_ctx]
-            block_start = (g_ctx - g_tail)[:, None]
-            mask = mask | ((pos[None, :] >= block_start)[:, None, :] & (qpos >= block_start)[:, :, None])
-            mask = mask & key_valid[first:last, None, :]
-            mask = mask | ~query_valid[:, :, None]  # padded queries attend somewhere (result discarded)
-            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-            groups.append(QueryGroup(
-                first, last, query_index.to(device), query_valid.to(device), query_index[query_valid].to(device),
-                bias[:, None, None].to(device), qpos.to(device),
-            ))
-            first = last
+        order = np.asarray(sorted(range(num_seqs), key=classes.__getitem__), dtype=np.int64)  # stable within a class
+        pos = np.arange(max_ctx)
+        slots = tables[order][:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
+        key_valid = pos[None, :] < ctx[order][:, None]
+        context_slots = np.where(key_valid, slots, 0)
+        # Per token: its sequence's row of context_slots and the keys it sees (causal; a
+        # non-causal tail sees the whole block).
+        row_of_seq = np.empty(num_seqs, dtype=np.int64)
+        row_of_seq[order] = np.arange(num_seqs)
+        key_end = np.where(token_pos >= (ctx - tail)[token_seq], ctx[token_seq], token_pos + 1)
         contiguous = None
         if num_seqs == 1:
             table = block_tables[0][: -(-max_ctx // block_size)]
             if table == list(range(table[0], table[0] + len(table))):
                 contiguous = (table[0] * block_size, max_ctx)
-        # Per token: its sequence's row of context_slots and the keys it sees (causal; a
-        # non-causal tail sees the whole block).
-        row_of_seq = torch.empty(num_seqs, dtype=torch.int64)
-        row_of_seq[order_t] = torch.arange(num_seqs)
-        in_tail = token_pos >= (ctx - tail)[token_seq]
-        key_end = torch.where(in_tail, ctx[token_seq], token_pos + 1)
-        output_order = None
-        if len(groups) > 1:
-            rows = torch.cat([g.token_rows.cpu() for g in groups])  # [num_tokens] token of each concatenated output
-            output_order = torch.empty_like(rows)
-            output_order[rows] = torch.arange(num_tokens)
-            output_order = output_order.to(device)
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
         return cls(
-            slot_mapping=slot_mapping.to(device),
-            context_slots=context_slots.to(device),
-            groups=groups,
-            output_order=output_order,
-            decode_only=len(groups) == 1 and groups[0].decode,
-            token_seq=row_of_seq[token_seq].to(device),
-            token_pos=token_pos.to(device),
-            key_end=key_end.to(device),
+            slot_mapping=tensor(slot_mapping),
+            context_slots=tensor(context_slots),
+            decode_only=max(query_lens) == 1,
+            token_seq=tensor(row_of_seq[token_seq]),
+            token_pos=tensor(token_pos),
+            key_end=tensor(key_end),
             max_query_len=max(query_lens),
             contiguous_slots=contiguous,
+            _group_plan=_GroupPlan(qlen, ctx, tail, starts, order, [classes[i] for i in order], key_valid, device),
         )
 
     @classmethod

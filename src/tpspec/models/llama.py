@@ -164,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         if md.decode_only and self._compiled_layer is not None:
             run_layer = self._compiled_layer
             self.layers[0].self_attn.attn.context_rows(md)  # memoized per step: built here, outside the graph
+            md.groups  # likewise (built on first use)
             residual = torch.zeros_like(hidden)  # the same sums as None, and one graph for every layer
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
