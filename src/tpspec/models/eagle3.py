@@ -236,6 +236,12 @@ class Eagle3LlamaForCausalLM(nn.Module):
         full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.target_ids, draft)
 
+    def greedy_tokens(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:
+        """hidden: [num_rows, H] -> [num_rows] int64 target ids: the argmax of the gathered
+        draft-vocab logits, equal to ``compute_logits(hidden).argmax(-1)`` (target ids ascend with
+        draft ids, so ties agree; a row of all -inf logits aside) without filling a full-vocabulary row."""
+        return self.target_ids[self.logits_processor.compute_logits(self.lm_head, hidden, site).argmax(-1)]
+
     def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
         """hidden: [num_rows, H] -> [num_rows] int64 target ids, equal to
         ``compute_logits(hidden).argmax(-1)`` (target ids ascend with draft ids, so ties agree),

@@ -10,6 +10,7 @@ from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
 from tpspec.models.loader.safetensors import iterate_weights, weight_names
 from tpspec.spec_decode.chain_head import ChainHeadProposer
+from tpspec.spec_decode.speculator import DRAFT_SAMPLE_SITE
 
 
 def ships_embedding(folder: str) -> bool:
@@ -39,6 +40,12 @@ class Eagle3Proposer(ChainHeadProposer):
         model.eval()
         (self.kv_cache,) = self._allocate_kv(model, 1)  # one midlayer
         return model
+
+    def _greedy_sample_draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As the base class's; without the flag, the argmax over the gathered draft vocabulary."""
+        if self.use_local_argmax_reduction:
+            return super()._greedy_sample_draft(hidden)
+        return self.model.greedy_tokens(hidden, site=DRAFT_SAMPLE_SITE)
 
     def _hidden(self, features: torch.Tensor) -> torch.Tensor:
         return self.model.combine_hidden_states(features)

@@ -19,7 +19,7 @@ from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers import cpu_kernels
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
-from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights
+from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights, round_drafter_to_q4_1
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.sample import vocab_parallel
@@ -193,6 +193,8 @@ class ModelRunner:
         if spec is not None and spec.method in SPECULATORS:
             self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
             self.speculator.load_model(self.model, self.num_blocks * self.block_size)
+            if self.config.quantization == "q4_1":
+                round_drafter_to_q4_1(self.speculator.model, self.model)
             pack_cpu_weights(self.speculator.model, self.config.quantization)
         elif spec is not None:  # ngram
             self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
