@@ -285,25 +285,27 @@ def _top_tokens_check(folder: str, target_folder: str) -> list[dict]:
         with torch.inference_mode():
             logits = model.compute_logits(hidden, site="full")
             top = model.get_top_tokens(hidden, site="top")
+            greedy = model.greedy_tokens(hidden, site="greedy")
         outside = ~torch.isin(torch.arange(VOCAB), model.target_ids)
-        results.append(dict(full=logits.argmax(-1).tolist(), top=top.tolist(), stats=comm.get_comm_stats(),
+        results.append(dict(full=logits.argmax(-1).tolist(), top=top.tolist(), greedy=greedy.tolist(), stats=comm.get_comm_stats(),
                             inf_outside=bool(torch.isinf(logits[:, outside]).all()), tie_ids=model.target_ids[[10, 300]].tolist()))
     return results
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_get_top_tokens_equals_compute_logits_argmax(tp, tiny_llama, tmp_path):
+def test_get_top_tokens_and_greedy_tokens_equal_compute_logits_argmax(tp, tiny_llama, tmp_path):
     folder = write_eagle3(str(tmp_path / "eagle"), seed=2, ship_embedding=True)
     per_rank = [_top_tokens_check(folder, tiny_llama)] if tp == 1 else run_distributed(_top_tokens_check, tp, folder, tiny_llama)
     ref = per_rank[0][0]
     for r in (r for rank in per_rank for r in rank):
-        assert r["top"] == r["full"] == ref["top"]
+        assert r["top"] == r["full"] == r["greedy"] == ref["top"]
         assert r["top"][:8] == [r["tie_ids"][0]] * 8  # the tie goes to the lower id
         assert r["inf_outside"]
         if tp == 1:
             assert r["stats"] == {}
         else:  # padded draft vocab 512
-            assert r["stats"] == {"full": {"calls": 1, "bytes": 4 * 512 * 40, "cross_node_bytes": 0},
+            gathered = {"calls": 1, "bytes": 4 * 512 * 40, "cross_node_bytes": 0}  # the draft vocabulary, whole
+            assert r["stats"] == {"full": gathered, "greedy": gathered,
                                   "top": {"calls": 1, "bytes": 8 * tp * 40, "cross_node_bytes": 0}}
     assert len(set(ref["top"])) > 10
 
