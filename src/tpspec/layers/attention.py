@@ -300,13 +300,16 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``),
-    except for a lone sequence in consecutive slots, read in place (``contiguous_slots``), and for
-    float32 decode steps on CPU where ``cpu_kernels`` are loaded: their paged_decode_attention reads
-    every sequence's keys in the cache in place (no gather; 1.6-3x SDPA's speed at one sequence).
-    Per ``QueryGroup``: decodes in float32 (float16 attends in float32) go through PyTorch's fused
-    SDPA; everything else (prefill, k + 1 speculative queries, bfloat16) through two batched
-    matmuls over [seqs, kv_heads, group, queries, keys], which CPUs run fastest in bfloat16.
+    Float32 steps on CPU whose sequences feed at most ``KERNEL_MAX_QUERY_LEN`` tokens each
+    (decodes, k + 1 verification queries, draft blocks) go through ``cpu_kernels``'
+    paged_attention where it is loaded: every query reads its own key range
+    (``AttentionMetadata.key_range``) where the keys lie in the paged cache, no gather, no mask
+    (2-3x PyTorch's path at one sequence). Otherwise K/V are gathered head by head, one
+    ``index_select`` each (``AttentionMetadata.head_rows``), except for a lone sequence in
+    consecutive slots, read in place (``contiguous_slots``). Per ``QueryGroup``: decodes in float32
+    (float16 attends in float32) go through PyTorch's fused SDPA; everything else (prefill, k + 1
+    speculative queries, bfloat16) through two batched matmuls over [seqs, kv_heads, group,
+    queries, keys], which CPUs run fastest in bfloat16.
     """
 
     def __init__(
