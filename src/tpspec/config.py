@@ -20,7 +20,7 @@ SAMPLING_MODES = ("gathered", "vocab-parallel")
 # linear weights stored in float16 and multiplied in float32 by fbgemm (CPU; layers.linear). "q4_1":
 # those weights that are exactly llama.cpp's Q4_1 (the default model's layers) kept 4-bit and
 # multiplied in float32 by tpspec's kernel (CPU with AVX2; layers.q4_1), the others as "fp16";
-# a drafter's own weights are rounded to Q4_1 first (its drafts are verified: lossless either way).
+# a shipped drafter's own weights are rounded to Q4_1 first (its drafts are verified: lossless either way).
 QUANTIZATION_METHODS = ("fp16", "q4_1")
 QUANTIZATION_OPTIONS = ("auto", "none", *QUANTIZATION_METHODS)  # "auto": resolve_quantization picks
 BACKENDS = ("auto", "gloo", "nccl")

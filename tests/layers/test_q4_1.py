@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from tpspec.layers import cpu_kernels
-from tpspec.layers.linear import Q4_1_MAX_ROWS, LinearBase, pack_cpu_weights, packed_weight_of, round_drafter_to_q4_1
+from tpspec.layers.linear import (
+    Q4_1_MAX_ROWS,
+    LinearBase,
+    RowParallelLinear,
+    pack_cpu_weights,
+    packed_weight_of,
+    round_drafter_to_q4_1,
+)
 from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, q4_1_linear, quantize_exact, round_to_q4_1
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
@@ -84,13 +91,16 @@ def test_layers_pack_exact_weights_as_q4_1_and_the_rest_as_fp16():
 def test_a_drafters_own_weights_are_rounded_to_q4_1_and_packed_so_the_targets_untouched():
     target = LinearBase(96, 64, False, torch.float32)
     own, narrow = LinearBase(96, 64, False, torch.float32), LinearBase(40, 8, False, torch.float32)  # 40: no Q4_1 groups
+    row_split = RowParallelLinear(96, 64, False, torch.float32)  # its input is what TP splits
+    layers = {"target": target, "own": own, "narrow": narrow, "row_split": row_split}
     with torch.no_grad():
-        for layer in (target, own, narrow):
+        for layer in layers.values():
             layer.weight.normal_()
-    drafter = nn.ModuleList([own, narrow, target])  # the target's layer borrowed by the drafter
-    before = {name: layer.weight.clone() for name, layer in (("target", target), ("own", own), ("narrow", narrow))}
+    before = {name: layer.weight.clone() for name, layer in layers.items()}
+    drafter = nn.ModuleList([own, narrow, row_split, target])  # the target's layer borrowed by the drafter
     assert round_drafter_to_q4_1(drafter, nn.ModuleList([target])) == 1
-    assert torch.equal(target.weight, before["target"]) and torch.equal(narrow.weight, before["narrow"])
+    for name in ("target", "narrow", "row_split"):
+        assert torch.equal(layers[name].weight, before[name]), name
     assert torch.equal(own.weight, round_to_q4_1(before["own"])) and not torch.equal(own.weight, before["own"])
     pack_cpu_weights(drafter, "q4_1")
     assert [packed_weight_of(layer.weight).format for layer in (own, target)] == ["q4_1", "fp16"]

@@ -33,3 +33,36 @@ def test_the_shipped_drafter_is_lossless(plain, method, folder, flag):
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert stats["num_accepted_tokens"] > 0
     assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * 8192 if method != "dflash" else 4 * 49152)
+
+
+def test_the_shipped_head_is_rounded_to_q4_1_alike_at_every_tp_size(monkeypatch):
+    """Under q4_1 (the default where the kernels build) a shipped drafter's own weights are rounded
+    to Q4_1, row-parallel layers aside: the same drafts at TP 1 and 2 (sharding invariance)."""
+    from tpspec.layers import cpu_kernels
+    from tpspec.layers.q4_1 import quantize_exact
+    from tpspec.spec_decode.eagle import Eagle3Proposer
+
+    if cpu_kernels.unavailable():
+        pytest.skip(f"no q4_1 here: {cpu_kernels.unavailable()}")
+    recorded: list = []
+    propose = Eagle3Proposer.propose
+
+    def recording(self, inp):
+        out = propose(self, inp)
+        recorded.append(out.drafts)
+        return out
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", recording)
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False}
+    drafts = {}
+    for tp in (1, 2):
+        recorded.clear()
+        with LLM(None, speculative_config=spec, **{**ENGINE, "tensor_parallel_size": tp}) as llm:
+            if tp == 1:
+                head = llm.llm_engine.executor.runner.speculator.model
+                assert quantize_exact(head.fc.weight) is not None and quantize_exact(head.lm_head.weight) is not None
+                assert quantize_exact(head.midlayer.self_attn.o_proj.weight) is None  # row-parallel: as loaded
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        drafts[tp] = list(recorded)
+    assert sum(len(d) for step in drafts[1] for d in step) > 30
+    assert drafts[1] == drafts[2]

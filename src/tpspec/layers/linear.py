@@ -194,17 +194,19 @@ def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
 
 
 def round_drafter_to_q4_1(drafter: nn.Module, target: nn.Module) -> int:
-    """Round, in place, the drafter's own float32 linear weights (those ``pack_cpu_weights`` packs,
-    not the target's that it borrows) to Q4_1, so that "q4_1" packs them in the Q4_1 kernel: a
-    quarter of float16's bytes for each draft pass to read. Lossy, but drafts are verified (the
-    shipped EAGLE-3 head: acceptance length 1.92 against 1.93 unrounded, benchmarks/README.md).
-    Returns how many weights were rounded."""
+    """Round, in place, the drafter's own float32 linear weights (not the target's that it
+    borrows) to Q4_1, so that "q4_1" packs them in the Q4_1 kernel: about a quarter of float16's
+    bytes for each draft pass to read. Row-parallel layers keep theirs: a TP split of their input
+    could cut Q4_1's 32-weight groups, and the drafter's numbers must not depend on the TP size
+    (sharding invariance); every other layer splits whole output rows. Lossy, but drafts are
+    verified. Returns how many weights were rounded."""
     borrowed = {p.data_ptr() for p in target.parameters()}
     rounded = 0
     for module in drafter.modules():
         w = getattr(module, "weight", None)
-        if (isinstance(module, PackedCPUWeight) and w.dtype == torch.float32 and w.device.type == "cpu"
-                and w.dim() == 2 and w.shape[1] % Q4_1_GROUP == 0 and w.data_ptr() not in borrowed):
+        if (isinstance(module, PackedCPUWeight) and not isinstance(module, RowParallelLinear)
+                and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
+                and w.shape[1] % Q4_1_GROUP == 0 and w.data_ptr() not in borrowed):
             with torch.no_grad():
                 w.copy_(round_to_q4_1(w))
             rounded += 1

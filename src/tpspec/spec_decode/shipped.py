@@ -18,9 +18,19 @@ def shipped_targets(method: str) -> dict[str | None, str]:
     return SHIPPED_DRAFTERS.get(METHOD_ALIASES.get(method, method), {})
 
 
+DRAFTERS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters")
+
+
+def is_shipped_drafter(folder: str | None) -> bool:
+    """Whether ``folder`` is one of the drafters tpspec ships."""
+    if folder is None:
+        return False
+    return os.path.dirname(os.path.realpath(folder)) == os.path.realpath(DRAFTERS_DIR)
+
+
 def shipped_drafter(method: str, target: str | None) -> str:
     """The folder of the ``method`` drafter shipped for ``target`` (a key of ``shipped_targets``)."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters", shipped_targets(method)[target])
+    folder = os.path.join(DRAFTERS_DIR, shipped_targets(method)[target])
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         raise FileNotFoundError(f"the shipped {method} drafter is missing from {folder}")
     return folder

@@ -157,8 +157,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         mx8[j] = _mm256_set1_ps(mx[j]);
       }
       // Scores of 8 keys at a time per head: 8 dot products reduced into one vector.
-      int64_t u = 0;
-      for (; u + 8 <= n; u += 8) {
+      int64_t tail = 0;  // the first key past the 8-key blocks
+      for (; tail + 8 <= n; tail += 8) {
+        const int64_t u = tail;
         const float* kt[8];
         for (int e = 0; e < 8; ++e) kt[e] = kp + ss[u + e] * row + off;
         for (int64_t j = 0; j < G; ++j) {
@@ -183,7 +184,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         _mm256_storeu_ps(lanes, mx8[j]);
         for (int e = 0; e < 8; ++e) mx[j] = std::max(mx[j], lanes[e]);
       }
-      for (; u < n; ++u) {
+      for (int64_t u = tail; u < n; ++u) {
         const float* kt = kp + ss[u] * row + off;
         for (int64_t j = 0; j < G; ++j) {
           __m256 a0 = _mm256_setzero_ps();
