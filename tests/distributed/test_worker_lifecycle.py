@@ -140,10 +140,11 @@ def test_an_idle_engine_outlives_the_workers_timeout(tiny_llama):
     from tpspec.tokenizer import Tokenizer
 
     config = EngineArgs(model=tiny_llama, **ENGINE).create_engine_config("cpu")
-    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2, worker_timeout_s=2.0))
+    # The workers' start (spawn, import torch) must fit in the timeout too: 2 s failed on a busy host.
+    config = dataclasses.replace(config, parallel=ParallelConfig(tensor_parallel_size=2, worker_timeout_s=5.0))
     engine = LLMEngine(config, Tokenizer.from_pretrained(config.model))
     try:
-        time.sleep(6.0)  # three timeouts without a step
+        time.sleep(12.0)  # more than two timeouts without a step
         engine.add_request("def add(a, b):", PARAMS)
         outputs, error, _ = _call(lambda: [o for _ in range(20) for o in engine.step()], timeout=30)
         assert error is None and engine.executor.dead is None

@@ -1,8 +1,8 @@
 """tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 product
 (``layers.q4_1``), and RMSNorm with its residual add and attention of a few queries per sequence
 over the paged KV cache (decodes, verification; ``decode_ops.cpp``), each one call where PyTorch
-dispatches several ops (and gathers the keys). Built with the machine's C++ compiler (and ninja) at the first engine
-start, ~40 s (``make demo`` starts one), then cached by torch.
+dispatches several ops (and gathers the keys). Built with the machine's C++ compiler (and ninja)
+at the first engine start, ~40 s (``make demo`` starts one), then cached by torch.
 """
 
 from __future__ import annotations

@@ -195,8 +195,8 @@ class ModelRunner:
             self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
             self.speculator.load_model(self.model, self.num_blocks * self.block_size)
             if self.config.quantization == "q4_1" and is_shipped_drafter(spec.model):
-                # Measured on the shipped EAGLE-3 head: acceptance length 1.935 -> 1.923, the drafter's
-                # time a k 3 step 8.5 -> 6 ms (benchmarks/README.md); other drafters stay as loaded.
+                # Measured on the shipped EAGLE-3 head: acceptance length 1.935 -> 1.929, the drafter's
+                # time a k 3 step about 9 -> 6 ms (benchmarks/README.md); other drafters stay as loaded.
                 round_drafter_to_q4_1(self.speculator.model, self.model)
             pack_cpu_weights(self.speculator.model, self.config.quantization)
         elif spec is not None:  # ngram
