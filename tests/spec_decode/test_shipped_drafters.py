@@ -35,6 +35,17 @@ def test_the_shipped_drafter_is_lossless(plain, method, folder, flag):
     assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * 8192 if method != "dflash" else 4 * 49152)
 
 
+def test_only_the_shipped_eagle3_heads_are_rounded(tmp_path):
+    from tpspec.spec_decode.shipped import rounds_drafter_to_q4_1, shipped_drafter
+
+    head = shipped_drafter("eagle3", None)
+    assert rounds_drafter_to_q4_1("eagle3", head) and rounds_drafter_to_q4_1("eagle", head)
+    assert not rounds_drafter_to_q4_1("dflash", shipped_drafter("dflash", None))  # slower to accept, no faster
+    assert not rounds_drafter_to_q4_1("dflash", shipped_drafter("dflash", "gemma-3-270m"))
+    assert not rounds_drafter_to_q4_1("eagle3", str(tmp_path))  # a user's head stays as loaded
+    assert not rounds_drafter_to_q4_1("eagle3", None)
+
+
 def test_the_shipped_head_is_rounded_to_q4_1_alike_at_every_tp_size(monkeypatch):
     """Under q4_1 (the default where the kernels build) a shipped drafter's own weights are rounded
     to Q4_1, row-parallel layers aside: the same drafts at TP 1 and 2 (sharding invariance)."""

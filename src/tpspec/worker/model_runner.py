@@ -30,7 +30,7 @@ from tpspec.spec_decode.draft_model import DraftModelProposer
 from tpspec.spec_decode.eagle import Eagle3Proposer
 from tpspec.spec_decode.mtp import MTPProposer
 from tpspec.spec_decode.ngram import NgramProposer
-from tpspec.spec_decode.shipped import is_shipped_drafter
+from tpspec.spec_decode.shipped import rounds_drafter_to_q4_1
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
 from tpspec.spec_decode.speculator import DraftInput, target_features
@@ -194,9 +194,7 @@ class ModelRunner:
         if spec is not None and spec.method in SPECULATORS:
             self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
             self.speculator.load_model(self.model, self.num_blocks * self.block_size)
-            if self.config.quantization == "q4_1" and is_shipped_drafter(spec.model):
-                # Measured on the shipped EAGLE-3 head: acceptance length 1.935 -> 1.929, the drafter's
-                # time a k 3 step about 9 -> 6 ms (benchmarks/README.md); other drafters stay as loaded.
+            if self.config.quantization == "q4_1" and rounds_drafter_to_q4_1(spec.method, spec.model):
                 round_drafter_to_q4_1(self.speculator.model, self.model)
             pack_cpu_weights(self.speculator.model, self.config.quantization)
         elif spec is not None:  # ngram
