@@ -83,10 +83,11 @@ def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
     propose = ModelRunner._propose
 
     def recording(self, seqs, sampled, wanted, *rest):
-        propose(self, seqs, sampled, wanted, *rest)
+        fed_rows = propose(self, seqs, sampled, wanted, *rest)
         for s, n in zip(seqs, wanted):
             if n:
                 recorded.append((s.req_id, s.state.req.num_tokens, list(s.state.draft_ids)))
+        return fed_rows
 
     monkeypatch.setattr(ModelRunner, "_propose", recording)
     return recorded
@@ -210,3 +211,52 @@ def test_chain_head_step_without_drafts_runs_no_head(method, tiny_llama, drafter
     idle = [n for proposing, sampled, n in calls if not proposing and sampled]
     assert len(idle) >= 5 and not any(idle)
     assert any(n for proposing, _, n in calls if proposing)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_the_step_time_model_learns_from_the_rows_the_drafter_fed(method, tiny_llama, drafters, monkeypatch):
+    """A request that proposes after steps without drafts feeds its backlog in that step: the
+    step-time model is corrected with the rows the drafter fed, backlog included, not with the
+    step's kept tokens. (Charged to one row, one probe's backlog once made a 1-row feed look as
+    dear as a 60-row one, and the controller held speculation off at concurrency 1.)"""
+    from tpspec.models.dflash import DFlashDraftModel
+    from tpspec.spec_decode.chain_head import ChainHeadProposer
+    from tpspec.spec_decode.step_time import StepTimeModel
+
+    fed: list[int] = []  # per step: rows the drafter's feed ran (chain heads' refeed, DFlash's context writes)
+    observed: list[int] = []  # per step: the rows the step-time model was told
+    run, write, observe, propose = (ChainHeadProposer._run, DFlashDraftModel.write_context, StepTimeModel.observe,
+                                    ModelRunner._propose)
+
+    def counting_run(self, ids, *args, **kwargs):
+        if "step" not in kwargs:  # the refeed (a chain pass names its step)
+            fed[-1] += len(ids)
+        return run(self, ids, *args, **kwargs)
+
+    def counting_write(self, features, *args):
+        if fed:  # not the start-up profile's
+            fed[-1] += features.shape[0]
+        return write(self, features, *args)
+
+    def new_step(self, *args):
+        fed.append(0)
+        return propose(self, *args)
+
+    def recording_observe(self, target_rows, seqs, fed_rows, *args, **kwargs):
+        observed.append(fed_rows)
+        return observe(self, target_rows, seqs, fed_rows, *args, **kwargs)
+
+    def three_idle_steps_in_four(self, reqs, real_rows):  # backlogs of 3 steps, then random k
+        self._step = getattr(self, "_step", 0) + 1
+        return _random_ks(self, reqs, real_rows) if self._step % 4 == 0 else [0] * len(reqs)
+
+    monkeypatch.setattr(ChainHeadProposer, "_run", counting_run)
+    monkeypatch.setattr(DFlashDraftModel, "write_context", counting_write)
+    monkeypatch.setattr(ModelRunner, "_propose", new_step)
+    monkeypatch.setattr(StepTimeModel, "observe", recording_observe)
+    monkeypatch.setattr(SpeculationLengthController, "_rng", random.Random(5), raising=False)
+    monkeypatch.setattr(SpeculationLengthController, "_adaptive_ks", three_idle_steps_in_four)
+    plain = _run((None, 1, False, "plain"), tiny_llama, drafters, monkeypatch, roomy=True)
+    tokens, _ = _generate(tiny_llama, 1, _spec(method, drafters, True), ROOMY)
+    assert tokens == plain["tokens"]
+    assert len(observed) == len(fed) > 20 and observed == fed

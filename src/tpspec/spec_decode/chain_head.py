@@ -122,12 +122,12 @@ class ChainHeadProposer(DraftModelSpeculator):
                 fed.append(i)
                 lens.append(len(rows.positions))
         if not fed:
-            return DraftOutput(drafts, dists, deferred)
+            return DraftOutput(drafts, dists, deferred, len(positions))
         features = torch.cat(feature_chunks)  # [rows, F]
         normed, prenorm = self._run(ids, positions, self._hidden(features), lens, [inp.block_tables[i] for i in fed])
         rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
         if not rows:
-            return DraftOutput(drafts, dists, deferred)
+            return DraftOutput(drafts, dists, deferred, len(positions))
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
         end_of = dict(zip(fed, ends))
         last = torch.tensor([end_of[i] for i in rows], device=self.device)
@@ -135,7 +135,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         # 2. Chain: draft j + 1 from a row at position n + j - 1 feeding draft j (n: the bonus token's position).
         pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
         if not any(num):
-            return DraftOutput(drafts, dists, deferred)
+            return DraftOutput(drafts, dists, deferred, len(positions))
         drafting = [r for r, n in enumerate(num) if n]
         carried = prenorm if len(drafting) == len(num) else prenorm[torch.tensor(drafting, device=self.device)]
 
@@ -152,4 +152,4 @@ class ChainHeadProposer(DraftModelSpeculator):
         chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
             drafts[i], dists[i] = chain[r], chain_dists[r]
-        return DraftOutput(drafts, dists, deferred)
+        return DraftOutput(drafts, dists, deferred, len(positions))

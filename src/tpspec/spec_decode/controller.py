@@ -224,10 +224,11 @@ class SpeculationLengthController:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
 
     def observe_step(
-        self, plan: Plan, reqs: list[PlanRequest], real_rows: int, num_accepted: list[int],
-        target_s: float, drafter_s: float, step_s: float,
+        self, plan: Plan, reqs: list[PlanRequest], target_s: float, drafter_s: float, drafter_fed_rows: int,
+        step_s: float,
     ) -> None:
-        """A step's measured phase times (from rank 0) and wall time (on the driver)."""
+        """A step's measured phase times and the rows its drafter fed (from rank 0), and its wall
+        time (on the driver)."""
         self.num_timed_steps += 1
         self.measured_s_total += step_s
         if self.step_time is None:
@@ -235,7 +236,7 @@ class SpeculationLengthController:
         self.predicted_s_total += plan.predicted_s or 0.0
         ks = [p for p, r in zip(plan.num_propose, reqs) if r.samples]
         self.step_time.observe(
-            plan.target_rows, len(reqs), real_rows + sum(num_accepted), ks, target_s, drafter_s, step_s, plan.decode_only
+            plan.target_rows, len(reqs), drafter_fed_rows, ks, target_s, drafter_s, step_s, plan.decode_only
         )
 
     def forget(self, req_id: str) -> None:

@@ -128,7 +128,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                 starts.append(start)
                 lens.append(length)
         if not rows:
-            return DraftOutput(drafts, dists, deferred)
+            return DraftOutput(drafts, dists, deferred, len(ctx_pos))
         mask = self.dflash_config.mask_token_id
         block_ids = [t for i, n in zip(rows, lens) for t in [inp.token_ids[i][-1]] + [mask] * (n - 1)]
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
@@ -154,5 +154,5 @@ class DFlashSpeculator(DraftModelSpeculator):
             if sample.dists is not None:
                 dists[i] = sample.dists[o : o + n - 1]  # [n − 1, vocab_size]
             o += n - 1
-        return DraftOutput(drafts, dists, deferred)
+        return DraftOutput(drafts, dists, deferred, len(ctx_pos))
 

@@ -67,14 +67,15 @@ class DraftModelProposer(DraftModelSpeculator):
         rows = inp.proposing
         drafts: list[list[int]] = [[] for _ in inp.token_ids]
         dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
+        fed = sum(len(t) for t in inp.token_ids)
         with self._tp_context():
             last_hidden = self._forward(inp.token_ids, inp.start_pos, inp.block_tables)
             if not rows:
-                return DraftOutput(drafts, dists)
+                return DraftOutput(drafts, dists, num_fed_rows=fed)
             hidden = last_hidden[torch.tensor(rows, device=self.device)]
             pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
             if not any(num):
-                return DraftOutput(drafts, dists)
+                return DraftOutput(drafts, dists, num_fed_rows=fed)
 
             def advance(active: list[int], keep: list[int], tokens: list[int], j: int) -> torch.Tensor:
                 return self._forward([[t] for t in tokens], [pos[r] + j for r in active], [tables[r] for r in active])
@@ -82,4 +83,4 @@ class DraftModelProposer(DraftModelSpeculator):
             chain, chain_dists = self.draft_chain(hidden, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
             drafts[i], dists[i] = chain[r], chain_dists[r]
-        return DraftOutput(drafts, dists)
+        return DraftOutput(drafts, dists, num_fed_rows=fed)

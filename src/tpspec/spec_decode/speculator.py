@@ -73,6 +73,9 @@ class DraftInput:
     sampling: SamplingMetadata | None  # one row per sequence with num_drafts > 0 (probabilistic drafting)
     target_features: torch.Tensor | None = None  # [num_context_tokens, len(capture_layers)·hidden_size]
     deferred: list[object | None] | None = None
+    # Rows the drafter fed this step (context K/V written, refed, or run through a draft model),
+    # deferred rows it caught up on included: what its time was spent on (``StepTimeModel.observe``).
+    num_fed_rows: int = 0
 
     def num_context(self, i: int) -> int:
         """How many of sequence i's tokens have target features."""
@@ -90,6 +93,9 @@ class DraftOutput:
     dists: list[torch.Tensor | None]  # per sequence: [k, vocab_size] (or [k, shard_size], see DraftSample) q, or None
     # Per sequence: work put off until it next proposes (handed back in ``DraftInput.deferred``); None: none.
     deferred: list[object | None] | None = None
+    # Rows the drafter fed this step (context K/V written, refed, or run through a draft model),
+    # deferred rows it caught up on included: what its time was spent on (``StepTimeModel.observe``).
+    num_fed_rows: int = 0
 
 
 class DraftModelSpeculator:

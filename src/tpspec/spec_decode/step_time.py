@@ -147,16 +147,19 @@ class StepTimeModel:
         return self.forward(target_rows, seqs, decode_only) + drafter + self.overhead
 
     def observe(
-        self, target_rows: int, seqs: int, feed_rows: int, ks: list[int], target_s: float, drafter_s: float,
+        self, target_rows: int, seqs: int, fed_rows: int, ks: list[int], target_s: float, drafter_s: float,
         step_s: float, decode_only: bool = False,
     ) -> None:
-        """Correct the curves with one step's measured phase times (and its wall time)."""
+        """Correct the curves with one step's measured phase times (and its wall time). ``fed_rows``:
+        the rows the drafter fed, as it counted them: a request that proposes after a stretch
+        without drafts feeds its whole backlog, which ``fed_rows(...)`` cannot know in advance
+        (charged to this step's kept tokens alone, one probe's backlog taught the model a feed of
+        1 row as dear as one of 60, and the controller then held speculation off at c = 1)."""
         jump = [] if decode_only else [1]
         _nlms_joint([(self.rows, [target_rows]), (self.seqs, [seqs]), (self.verify_jump, jump)], target_s)
         if self.method != "ngram":
             passes = draft_passes(self.method, ks)
-            fed = self.fed_rows(feed_rows, any(k > 0 for k in ks))
-            _nlms_joint([(self.feed, [fed] if fed else []), (self.draft, passes)], drafter_s)
+            _nlms_joint([(self.feed, [fed_rows] if fed_rows else []), (self.draft, passes)], drafter_s)
         rest = max(0.0, step_s - target_s - drafter_s)
         self.overhead = OVERHEAD_DECAY * self.overhead + (1.0 - OVERHEAD_DECAY) * rest
 

@@ -265,12 +265,14 @@ class ModelRunner:
         # The rank's copy of each request takes its new tokens; one that ended is forgotten and drafts no more.
         ended = [bool(emitted) and self.requests.append(s, emitted) for s, emitted in zip(seqs, sampled)]
         num_drafts = [0] * len(seqs)
+        fed_rows = 0
         if self.config.speculative is not None:
             wanted = [s.step.num_draft if emitted and not end else 0 for s, emitted, end in zip(seqs, sampled, ended)]
-            self._propose(seqs, sampled, wanted, query_lens, captured, hidden)
+            fed_rows = self._propose(seqs, sampled, wanted, query_lens, captured, hidden)
             num_drafts = [len(s.state.draft_ids) for s in seqs]
         t2 = self._now()
-        return StepOutput(sampled, logprobs, num_accepted, num_drafts, target_s=t1 - t0, drafter_s=t2 - t1)
+        return StepOutput(sampled, logprobs, num_accepted, num_drafts, target_s=t1 - t0, drafter_s=t2 - t1,
+                          drafter_fed_rows=fed_rows)
 
     def _verify(
         self, seqs: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor | LogitsShard, meta: SamplingMetadata,
@@ -347,14 +349,15 @@ class ModelRunner:
         self, seqs: list[ScheduledSeq], sampled: list[list[int]], wanted: list[int], query_lens: list[int],
         captured: dict[int, torch.Tensor],
         final_hidden: torch.Tensor,  # [num_tokens, H] the target's final-norm output
-    ) -> None:
+    ) -> int:
         """Feed the drafter this step's verified tokens (and, if it reads them, the target's hidden
         states of those tokens) whatever k is, so its state stays valid, and keep ``wanted[i]``
-        drafts proposed for each request's next step (0: none)."""
+        drafts proposed for each request's next step (0: none). Returns the rows the drafter fed
+        (``DraftOutput.num_fed_rows``; 0 for n-gram lookups)."""
         if self.ngram is not None:
             for s, n in zip(seqs, wanted):
                 s.state.draft_ids = self.ngram.propose(s.state.req.all_token_ids, n) if n else []
-            return
+            return 0
         token_ids, context_rows = [], []
         offset = 0
         for s, emitted, n in zip(seqs, sampled, query_lens):
@@ -381,3 +384,4 @@ class ModelRunner:
         backlogs = out.deferred or [None] * len(seqs)
         for s, drafts, q, backlog in zip(seqs, out.drafts, out.dists, backlogs):
             s.state.draft_ids, s.state.draft_dists, s.state.drafter_backlog = drafts, q, backlog
+        return out.num_fed_rows

@@ -62,3 +62,4 @@ class StepOutput:
     num_drafts: list[int] = field(default_factory=list)  # drafts the ranks now hold per sequence
     target_s: float = 0.0  # rank 0's time in the target's forward, LM head and verification
     drafter_s: float = 0.0  # rank 0's time in the drafter
+    drafter_fed_rows: int = 0  # rows rank 0's drafter fed (its deferred backlogs included)
