@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tpspec import cpu_features
 from tpspec.layers import cpu_kernels
 from tpspec.layers.linear import (
     Q4_1_MAX_ROWS,
@@ -17,7 +18,7 @@ from tpspec.layers.linear import (
     packed_weight_of,
     round_drafter_to_q4_1,
 )
-from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, q4_1_linear, quantize_exact, round_to_q4_1
+from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, quantize_exact, round_to_q4_1
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                   reason=f"no Q4_1 kernel here: {cpu_kernels.unavailable()}")
@@ -59,15 +60,39 @@ def test_nibble_layout_round_trips_and_pairs_groups_by_words():
 
 
 @needs_kernel
-@pytest.mark.parametrize("in_features", [96, 288, 1536])
+@pytest.mark.parametrize("wide", [False, True], ids=["avx2", "avx512"])
+# 3 groups (a pair and a group), 6 (a 4-group block and a pair), 9 (two blocks and a group), 18, 48
+@pytest.mark.parametrize("in_features", [96, 192, 288, 576, 1536])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17])
-def test_kernel_equals_the_float32_product(rows, in_features):
-    w = q4_1_weight(72, in_features, seed=rows)
+def test_kernel_equals_the_float32_product(rows, in_features, wide):
+    if wide and not all(f in cpu_features.cpu_model_and_isa()[1] for f in cpu_kernels.WIDE_ISA):
+        pytest.skip("the CPU lacks AVX-512")
+    w = quantize_exact(q4_1_weight(72, in_features, seed=rows))
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
-    out = q4_1_linear(x, quantize_exact(w))
-    ref = x.double() @ w.double().T
+    out = cpu_kernels.kernels().q4_1_linear(x, w.qweight, w.scales, w.mins, wide)
+    ref = x.double() @ dequantize(w).double().T
     assert out.shape == (rows, 72) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_avx512_path_is_taken_where_the_cpu_has_it_and_no_cap_says_avx2(monkeypatch):
+    def wide(flags, cap=None):
+        monkeypatch.setattr(cpu_features, "cpu_model_and_isa", lambda: ("cpu", flags))
+        if cap is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+        cpu_kernels.wide.cache_clear()
+        return cpu_kernels.wide()
+
+    try:
+        avx512 = ("avx2", "avx512bw", "avx512dq", "avx512f", "avx512vl", "f16c", "fma")
+        assert wide(avx512) and wide(avx512, "avx512")
+        assert not wide(avx512, "avx2") and not wide(avx512, "default")
+        assert not wide(("avx2", "avx512f", "f16c", "fma")) and not wide(("avx2", "f16c", "fma"))
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.wide.cache_clear()
 
 
 @needs_kernel

@@ -3,7 +3,7 @@ and m float16). The default model comes as a Q4_1 GGUF, so its layers' float32 w
 such groups; ``quantize_exact`` recovers them (None where a weight is not exactly Q4_1: nothing is
 re-quantized, nothing lost), and ``q4_1_linear`` multiplies float32 activations by them reading a
 quarter of float16's bytes per weight (plus 4 bytes of d and m per 32), through tpspec's AVX2 kernel
-(``csrc/q4_1_linear.cpp``, one of ``cpu_kernels``).
+(``csrc/q4_1_linear.cpp``, one of ``cpu_kernels``; AVX-512 where the CPU has it).
 """
 
 from __future__ import annotations
@@ -91,5 +91,6 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def q4_1_linear(x: torch.Tensor, weight: Q4_1Weight) -> torch.Tensor:
     """x: [num_rows, in_features] -> x · dequantize(weight)ᵀ: [num_rows, out_features] in x's dtype."""
-    out = cpu_kernels.kernels().q4_1_linear(x.float().contiguous(), weight.qweight, weight.scales, weight.mins)
+    out = cpu_kernels.kernels().q4_1_linear(x.float().contiguous(), weight.qweight, weight.scales, weight.mins,
+                                            cpu_kernels.wide())
     return out.to(x.dtype)
