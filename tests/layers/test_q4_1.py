@@ -11,7 +11,7 @@ from torch import nn
 from tpspec import cpu_features
 from tpspec.layers import cpu_kernels
 from tpspec.layers.linear import (
-    Q4_1_MAX_ROWS,
+    QUANTIZED_MAX_ROWS,
     LinearBase,
     RowParallelLinear,
     pack_cpu_weights,
@@ -105,7 +105,7 @@ def test_layers_pack_exact_weights_as_q4_1_and_the_rest_as_fp16():
     pack_cpu_weights(nn.ModuleList([exact, other]), "q4_1")
     assert packed_weight_of(exact.weight).format == "q4_1"
     assert packed_weight_of(other.weight).format == "fp16"
-    for rows in (1, Q4_1_MAX_ROWS, Q4_1_MAX_ROWS + 1):  # the kernel, then fbgemm's float16 GEMM
+    for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1):  # the kernel, then fbgemm's float16 GEMM
         x = torch.randn(rows, 96)
         torch.testing.assert_close(exact(x), x @ exact.weight.T + exact.bias, rtol=2e-3, atol=2e-3)
     x = torch.randn(1, 96)

@@ -1,5 +1,5 @@
-"""tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 product
-(``layers.q4_1``; 16 lanes wide where the CPU has AVX-512, ``wide``), and RMSNorm with its residual add and attention of a few queries per sequence
+"""tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 and Q8_0 products
+(``layers.q4_1``, ``layers.q8_0``; 16 lanes wide where the CPU has AVX-512, ``wide``), and RMSNorm with its residual add and attention of a few queries per sequence
 over the paged KV cache (decodes, verification; ``decode_ops.cpp``), each one call where PyTorch
 dispatches several ops (and gathers the keys). Built with the machine's C++ compiler (and ninja)
 at the first engine start, ~40 s (``make demo`` starts one), then cached by torch.
@@ -19,7 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNEL_ISA = ("avx2", "fma", "f16c")  # what the kernels are compiled for
-WIDE_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what the Q4_1 product's 16-lane path needs
+WIDE_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what the products' 16-lane paths need
 _SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp")))
 _MODULE = None  # the module once built and imported
 
@@ -52,7 +52,7 @@ def _build():
 
 @functools.lru_cache(maxsize=1)
 def wide() -> bool:
-    """Whether the Q4_1 product takes its AVX-512 path: the CPU has ``WIDE_ISA`` and no ISA cap
+    """Whether the Q4_1 and Q8_0 products take their AVX-512 paths: the CPU has ``WIDE_ISA`` and no ISA cap
     (``ATEN_CPU_CAPABILITY=avx2``, see ``cpu_features.ISA_CAP_VARS``) asks for an AVX2 run."""
     from tpspec.cpu_features import cpu_model_and_isa
 

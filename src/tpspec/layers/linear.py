@@ -19,8 +19,7 @@ from tpspec.cpu_features import has_fbgemm
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
 from tpspec.layers.partition import head_partition, split_range
-from tpspec.layers.q4_1 import GROUP as Q4_1_GROUP
-from tpspec.layers.q4_1 import q4_1_linear, quantize_exact, round_to_q4_1
+from tpspec.layers import q4_1, q8_0
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +51,11 @@ ONEDNN_PACK_ROWS = 16  # the row count the reordered layout is tuned for
 # torch.compile, torch's float16 matmul runs up to CPU_FLOAT16_MAX_ROWS rows and float32 past them
 # (its float16 kernel falls 2.8x behind float32 at 100 rows).
 CPU_FLOAT16_MAX_ROWS = 4
-# Weights that are exactly Q4_1 (quantization="q4_1"; layers.q4_1) run through tpspec's Q4_1 kernel
-# up to Q4_1_MAX_ROWS rows, where it beats fbgemm's float16 GEMM (it reads 0.56 bytes a weight
-# against 2 but decodes each row block anew); past them through that float16 GEMM
-# (benchmarks/README.md, Q4_1 weights).
-Q4_1_MAX_ROWS = 8
+# Weights that are exactly Q4_1 or Q8_0 (quantization="q4_1"; layers.q4_1, layers.q8_0) run through
+# tpspec's kernels up to QUANTIZED_MAX_ROWS rows, where they beat fbgemm's float16 GEMM (they read
+# 0.56 or 1.06 bytes a weight against 2 but decode each row block anew); past them through that
+# float16 GEMM (benchmarks/README.md, Q4_1 weights).
+QUANTIZED_MAX_ROWS = 8
 
 
 def _row_bucket(rows: int) -> int:
@@ -81,9 +80,10 @@ def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -
 @dataclass(frozen=True)
 class PackedWeight:
     # "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16 model's own, or a
-    # float32 model's with quantization="fp16"), or "q4_1" (a float32 weight that is exactly Q4_1)
+    # float32 model's with quantization="fp16"), "q4_1" or "q8_0" (a float32 weight that is exactly
+    # Q4_1 or Q8_0, with quantization="q4_1")
     format: str
-    data: object  # the library's packed weight; for "q4_1", (Q4_1Weight, fbgemm's float16 one)
+    data: object  # the library's packed weight; for "q4_1" and "q8_0", (Q4_1Weight or Q8_0Weight, fbgemm's float16 one)
 
 
 # Read once: torch.compile cannot trace the library checks (a graph break in every layer).
@@ -98,11 +98,15 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
-    """``w`` packed in ``fmt``; "q4_1" where ``w`` is not exactly Q4_1 gives "fp16"."""
+    """``w`` packed in ``fmt``; "q4_1" gives "q8_0" where ``w`` is exactly Q8_0 instead, "fp16"
+    where it is neither."""
     if fmt == "q4_1":
-        exact = quantize_exact(w.detach())
         fp16 = _pack(w, "fp16")
-        return fp16 if exact is None else PackedWeight(fmt, (exact, fp16.data))
+        for name, quantize_exact in (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact)):
+            exact = quantize_exact(w.detach())
+            if exact is not None:
+                return PackedWeight(name, (exact, fp16.data))
+        return fp16
     if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
         return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None))
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
@@ -130,7 +134,7 @@ def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | 
         ref, version, packed = entry
         t = ref()
         if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype:
-            if t._version == version and (fmt in (None, packed.format) or fmt == "q4_1" and packed.format == "fp16"):
+            if t._version == version and (fmt in (None, packed.format) or fmt == "q4_1" and packed.format in ("q8_0", "fp16")):
                 return packed
             fmt = fmt or packed.format
     packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
@@ -179,7 +183,7 @@ class PackedCPUWeight:
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
-    exactly Q4_1 in the Q4_1 kernel's (and in float16 for more rows), the rest in float16; logs how
+    exactly Q4_1 or Q8_0 in their kernels' (and in float16 for more rows), the rest in float16; logs how
     many weights each format got."""
     formats = collections.Counter()
     for module in model.modules():
@@ -206,27 +210,27 @@ def round_drafter_to_q4_1(drafter: nn.Module, target: nn.Module) -> int:
         w = getattr(module, "weight", None)
         if (isinstance(module, PackedCPUWeight) and not isinstance(module, RowParallelLinear)
                 and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
-                and w.shape[1] % Q4_1_GROUP == 0 and w.data_ptr() not in borrowed):
+                and w.shape[1] % q4_1.GROUP == 0 and w.data_ptr() not in borrowed):
             with torch.no_grad():
-                w.copy_(round_to_q4_1(w))
+                w.copy_(q4_1.round_to_q4_1(w))
             rounded += 1
     return rounded
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the Q4_1 kernel
-    up to ``Q4_1_MAX_ROWS`` rows, fbgemm for float16 weights, oneDNN for float32 up to
+    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the Q4_1 and
+    Q8_0 kernels up to ``QUANTIZED_MAX_ROWS`` rows, fbgemm for float16 weights, oneDNN for float32 up to
     ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows
     goes through float32 (exact upcasts, float32 accumulation either way) and is rounded back to
     float16.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
     if packed is not None:
-        if packed.format == "q4_1":
-            q4, fp16 = packed.data
-            if x.shape[0] > Q4_1_MAX_ROWS:
+        if packed.format in ("q4_1", "q8_0"):
+            quantized, fp16 = packed.data
+            if x.shape[0] > QUANTIZED_MAX_ROWS:
                 return _fbgemm_float16_linear(x, fp16, bias)
-            out = q4_1_linear(x, q4)
+            out = (q4_1.q4_1_linear if packed.format == "q4_1" else q8_0.q8_0_linear)(x, quantized)
             return out if bias is None else out + bias
         if packed.format == "fp16":
             return _fbgemm_float16_linear(x, packed.data, bias)

@@ -11,12 +11,7 @@
 #include <limits>
 #include <vector>
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "vector_sum.h"
 
 // exp of 8 floats <= 0 (Cephes' expf: x = n·ln2 + r, a degree-5 polynomial in r; ~1 ulp); -inf -> 0.
 static inline __m256 exp_nonpositive(__m256 x) {

@@ -15,12 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "vector_sum.h"
 
 // The 32 weights of one group as 4 x 8 floats q (0..15, before scale and min).
 static inline void unpack_group(const uint8_t* bytes, __m256 q[4]) {

@@ -1,0 +1,54 @@
+"""Q8_0 weights kept 8-bit: llama.cpp's format, 32 weights a group, w = d·q (q an 8-bit signed integer,
+d float16). The default model's GGUF stores its token embedding, which is also its LM head, so;
+``quantize_exact`` recovers such groups from the float32 weight (None where a weight is not exactly
+Q8_0), and ``q8_0_linear`` multiplies float32 activations by them reading 1.06 bytes a weight against
+float16's 2, through tpspec's kernel (``csrc/q8_0_linear.cpp``, one of ``cpu_kernels``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpspec.layers import cpu_kernels
+
+GROUP = 32  # weights per group (one d)
+Q_MAX = 127  # llama.cpp's Q8_0: d = max |w| / 127, q = round(w / d)
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """An ``[out_features, in_features]`` weight in the kernel's layout (``csrc/q8_0_linear.cpp``)."""
+
+    qweight: torch.Tensor  # [out_features, in_features] int8: q
+    scales: torch.Tensor  # [out_features, in_features / 32] float16: d
+
+
+def quantize_exact(w: torch.Tensor) -> Q8_0Weight | None:
+    """``w`` ([out, in] float32) as Q8_0 groups if every group is exactly d·q with a float16 d and
+    q in -127..127, as llama.cpp rounds (d = max |w| / 127), else None."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
+        return None
+    out_features, in_features = w.shape
+    groups = w.detach().view(out_features, in_features // GROUP, GROUP)
+    d = (groups.abs().amax(-1) / Q_MAX).half()  # [out, groups]
+    if not torch.isfinite(d).all():
+        return None
+    step = torch.where(d == 0, torch.ones_like(d), d).float()[..., None]
+    q = torch.round(groups / step).clamp(-Q_MAX, Q_MAX)
+    if not torch.equal(q * d.float()[..., None], groups):
+        return None
+    return Q8_0Weight(q.to(torch.int8).flatten(1).contiguous(), d.contiguous())
+
+
+def dequantize(weight: Q8_0Weight) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight ``weight`` holds (the reference of the kernel's tests)."""
+    q = weight.qweight.float().view(weight.qweight.shape[0], -1, GROUP)
+    return (weight.scales.float()[..., None] * q).flatten(1)
+
+
+def q8_0_linear(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
+    """x: [num_rows, in_features] -> x · dequantize(weight)ᵀ: [num_rows, out_features] in x's dtype."""
+    out = cpu_kernels.kernels().q8_0_linear(x.float().contiguous(), weight.qweight, weight.scales, cpu_kernels.wide())
+    return out.to(x.dtype)
