@@ -1,7 +1,8 @@
-"""tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 and Q8_0 products
-(``layers.q4_1``, ``layers.q8_0``; 16 lanes wide where the CPU has AVX-512, ``wide``), and RMSNorm with its residual add and attention of a few queries per sequence
-over the paged KV cache (decodes, verification; ``decode_ops.cpp``), each one call where PyTorch
-dispatches several ops (and gathers the keys). Built with the machine's C++ compiler (and ninja)
+"""tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 and Q8_0
+products (``layers.q4_1``, ``layers.q8_0``; 16 lanes wide where the CPU has AVX-512, ``wide``), and
+RMSNorm with its residual add and attention of a few queries per sequence over the paged KV cache
+(decodes, verification; ``decode_ops.cpp``), each one call where PyTorch dispatches several ops
+(and gathers the keys). Built with the machine's C++ compiler (and ninja)
 at the first engine start, ~40 s (``make demo`` starts one), then cached by torch.
 """
 
@@ -52,8 +53,8 @@ def _build():
 
 @functools.lru_cache(maxsize=1)
 def wide() -> bool:
-    """Whether the Q4_1 and Q8_0 products take their AVX-512 paths: the CPU has ``WIDE_ISA`` and no ISA cap
-    (``ATEN_CPU_CAPABILITY=avx2``, see ``cpu_features.ISA_CAP_VARS``) asks for an AVX2 run."""
+    """Whether the Q4_1 and Q8_0 products take their AVX-512 paths: the CPU has ``WIDE_ISA`` and no
+    ISA cap (``ATEN_CPU_CAPABILITY=avx2``, see ``cpu_features.ISA_CAP_VARS``) asks for an AVX2 run."""
     from tpspec.cpu_features import cpu_model_and_isa
 
     capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
