@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 import types
 
 import pytest
@@ -62,6 +63,49 @@ def test_text_shards_drop_humaneval_text(tmp_path):
     assert sum(map(len, seqs)) >= 1000  # both clean texts, minus each one's short tail
     text = "".join(chr(t) for s in seqs for t in s)
     assert "def " not in text
+
+
+def test_more_text_tokens_complete_the_last_shard_and_redo_its_features(tmp_path, monkeypatch):
+    class Chars:
+        def encode(self, text):
+            return [ord(c) % 1000 for c in text]
+
+    texts = [f"v{i} = {i}\n" * 25 for i in range(12)]  # 12 texts of three 64-token sequences
+    folder = str(tmp_path / "text")
+    text_shards(folder, texts, Chars(), seq_len=64, max_tokens=64 * 5, shard_size=4)
+    first = [torch.load(tmp_path / "text" / f"shard_{i:05d}.pt")["output_ids"] for i in range(2)]
+    assert len(first[0]) == 4 and 0 < len(first[1]) < 4  # the last shard partial
+    features = tmp_path / "features"
+    extracted: list[str] = []
+
+    class Extractor:  # stands in for the target: one feature per token, argmax = the token
+        def __init__(self, *args):
+            pass
+
+        def __call__(self, batch):
+            tokens = torch.tensor([t for s in batch for t in s])
+            return tokens[:, None].float(), tokens
+
+    def load_shard(path):  # feature_shards reads a text shard to extract its features
+        if os.path.dirname(str(path)) == folder:
+            extracted.append(os.path.basename(path))
+        return torch_load(path)
+
+    torch_load = torch.load
+    monkeypatch.setattr("tpspec.train.target_features.TargetFeatureExtractor", Extractor)
+    monkeypatch.setattr(data.torch, "load", load_shard)
+    data.feature_shards(folder, str(features), "unused", (0,))
+    assert extracted == ["shard_00000.pt", "shard_00001.pt"]
+    extracted.clear()
+    time.sleep(0.01)  # a later modification time for the grown shard
+    text_shards(folder, texts, Chars(), seq_len=64, max_tokens=64 * 12, shard_size=4)
+    grown = [torch_load(tmp_path / "text" / f"shard_{i:05d}.pt")["output_ids"] for i in range(3)]
+    assert grown[0] == first[0] and len(grown[1]) == 4 and grown[1][: len(first[1])] == first[1]
+    extracted.clear()  # text_shards read the shards it kept
+    data.feature_shards(folder, str(features), "unused", (0,))
+    assert extracted == ["shard_00001.pt", "shard_00002.pt"]  # the grown shard and the new one, not the first
+    redone = torch_load(features / "shard_00001.pt")
+    assert redone["seq_lens"].numel() == 4
 
 
 def test_block_labels_follow_the_greedy_chain():

@@ -147,8 +147,9 @@ def text_shards(folder: str, texts: list[str], tokenizer, seq_len: int = 512, ma
             break
     for i in range(0, len(seqs), shard_size):
         path = _shard_path(folder, i // shard_size)
-        if not os.path.exists(path):
-            chunk = seqs[i : i + shard_size]
+        chunk = seqs[i : i + shard_size]
+        # a last shard that was partial grows when max_tokens does (its features are redone: newer)
+        if not os.path.exists(path) or len(torch.load(path)["output_ids"]) < len(chunk):
             _save_atomic({"prompt_ids": [[] for _ in chunk], "output_ids": chunk}, path)
 
 
@@ -200,12 +201,14 @@ def feature_shards(
     gen_folder: str, folder: str, model_folder: str, target_layer_ids: tuple[int, ...], batch_tokens: int = 4096,
     dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
 ) -> None:
-    """Per generated shard: tokens, the target's features (bfloat16) and argmax."""
+    """Per generated shard: tokens, the target's features (bfloat16) and argmax; redone where the
+    generated shard is newer than its features (a text shard that grew)."""
     from tpspec.train.target_features import TargetFeatureExtractor
 
     os.makedirs(folder, exist_ok=True)
     gen = sorted(f for f in os.listdir(gen_folder) if f.startswith("shard_") and f.endswith(".pt"))
-    todo = [f for f in gen if not os.path.exists(os.path.join(folder, f))]
+    todo = [f for f in gen if not os.path.exists(os.path.join(folder, f))
+            or os.path.getmtime(os.path.join(gen_folder, f)) > os.path.getmtime(os.path.join(folder, f))]
     if not todo:
         return
     extractor = TargetFeatureExtractor(model_folder, target_layer_ids, dtype, device)
