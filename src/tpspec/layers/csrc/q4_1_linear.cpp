@@ -12,9 +12,9 @@
 // 16 lanes are weights 8k .. 8k+7 of the first pair and of the second, so x is permuted once a call
 // into that lane order (`permute_x`), and the row's last pair and group take the AVX2 path.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "row_blocks.h"
 #include "vector_sum.h"
 
 // The 32 weights of one group as 4 x 8 floats q (0..15, before scale and min).
@@ -83,7 +83,11 @@ static void q4_1_block(const float* xp, const uint8_t* qp, const uint16_t* dp, c
     __m256 acc[RB][NA];
     for (int r = 0; r < RB; ++r) for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
     q4_1_groups<RB, NA>(xp, qp + o * (I / 2), dp + o * G, mp + o * G, I, G, r0, 0, acc);
-    for (int r = 0; r < RB; ++r) op[(r0 + r) * O + o] = hsum(acc[r]);
+    for (int r = 0; r < RB; ++r) {
+      __m256 s = acc[r][0];
+      for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
+      op[(r0 + r) * O + o] = hsum(s);
+    }
   }
 }
 
@@ -145,7 +149,9 @@ static void q4_1_block_wide(const float* xw, const uint8_t* qp, const uint16_t* 
     for (int r = 0; r < RB; ++r) {
       __m512 s = acc[r][0];
       for (int a = 1; a < NA; ++a) s = _mm512_add_ps(s, acc[r][a]);
-      op[(r0 + r) * O + o] = _mm512_reduce_add_ps(s) + hsum(tail[r]);
+      __m256 t = tail[r][0];
+      for (int a = 1; a < NA; ++a) t = _mm256_add_ps(t, tail[r][a]);
+      op[(r0 + r) * O + o] = _mm512_reduce_add_ps(s) + hsum(t);
     }
   }
 }
@@ -172,10 +178,21 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
     permute_x(x.data_ptr<float>(), xw.data_ptr<float>(), R, I, G);
   }
   const float* xp = xw.data_ptr<float>();
-  for_row_blocks(R, O, [&](auto rows, int64_t r0, int64_t o0, int64_t o1) {
-    constexpr int RB = decltype(rows)::value;
-    if (wide) q4_1_block_wide<RB>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1);
-    else q4_1_block<RB>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1);
+#define Q4_1_ROWS(RB) (wide ? q4_1_block_wide<RB>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1) \
+                            : q4_1_block<RB>(xp, qp, dp, mp, op, I, O, G, r0, o0, o1))
+  at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
+    int64_t r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) Q4_1_ROWS(8);
+    switch (R - r0) {
+      case 7: Q4_1_ROWS(7); break;
+      case 6: Q4_1_ROWS(6); break;
+      case 5: Q4_1_ROWS(5); break;
+      case 4: Q4_1_ROWS(4); break;
+      case 3: Q4_1_ROWS(3); break;
+      case 2: Q4_1_ROWS(2); break;
+      case 1: Q4_1_ROWS(1); break;
+    }
   });
+#undef Q4_1_ROWS
   return out;
 }

@@ -7,9 +7,9 @@
 // the float32 dot product of row r of x with the float32 weights, summed in another order.
 // Layout: the q of a row in order, one byte each; one d per 32 of them.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include "row_blocks.h"
 #include "vector_sum.h"
 
 // Rows r0 .. r0+RB-1 of out for outputs o0 .. o1-1, 8 lanes: each group widened once, then
@@ -35,7 +35,11 @@ static void q8_0_block(const float* xp, const int8_t* qp, const uint16_t* dp, fl
         for (int j = 0; j < 4; ++j) acc[r][j % NA] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * j), w[j], acc[r][j % NA]);
       }
     }
-    for (int r = 0; r < RB; ++r) op[(r0 + r) * O + o] = hsum(acc[r]);
+    for (int r = 0; r < RB; ++r) {
+      __m256 s = acc[r][0];
+      for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
+      op[(r0 + r) * O + o] = hsum(s);
+    }
   }
 }
 
@@ -83,10 +87,21 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  for_row_blocks(R, O, [&](auto rows, int64_t r0, int64_t o0, int64_t o1) {
-    constexpr int RB = decltype(rows)::value;
-    if (wide) q8_0_block_wide<RB>(xp, qp, dp, op, I, O, G, r0, o0, o1);
-    else q8_0_block<RB>(xp, qp, dp, op, I, O, G, r0, o0, o1);
+#define Q8_0_ROWS(RB) (wide ? q8_0_block_wide<RB>(xp, qp, dp, op, I, O, G, r0, o0, o1) \
+                            : q8_0_block<RB>(xp, qp, dp, op, I, O, G, r0, o0, o1))
+  at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
+    int64_t r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) Q8_0_ROWS(8);
+    switch (R - r0) {
+      case 7: Q8_0_ROWS(7); break;
+      case 6: Q8_0_ROWS(6); break;
+      case 5: Q8_0_ROWS(5); break;
+      case 4: Q8_0_ROWS(4); break;
+      case 3: Q8_0_ROWS(3); break;
+      case 2: Q8_0_ROWS(2); break;
+      case 1: Q8_0_ROWS(1); break;
+    }
   });
+#undef Q8_0_ROWS
   return out;
 }

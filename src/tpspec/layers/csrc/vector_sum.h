@@ -9,11 +9,3 @@ static inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-// The sum of NA accumulators' lanes.
-template <int NA>
-static inline float hsum(const __m256 (&acc)[NA]) {
-  __m256 s = acc[0];
-  for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[a]);
-  return hsum(s);
-}
