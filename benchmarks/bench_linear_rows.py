@@ -1,5 +1,5 @@
 """float32 CPU matmuls by row count: X·Aᵀ (``F.linear``, MKL), (A·Xᵀ)ᵀ, and oneDNN's matmul on the
-weight reordered once (``layers.linear.OneDNNWeight``, what tpspec runs up to 64 rows), over the default model's
+weight reordered once (``layers.cpu_weights.packed_weight_of``, what tpspec runs up to 64 rows), over the default model's
 weights as a forward streams them (every matrix of all 30 layers, then the LM head: 538 MB, far
 more than any cache), for the row counts a decode, a speculative verification or a draft block has.
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tpspec.bench.machine import machine_info
-from tpspec.layers.linear import ONEDNN_PACK_ROWS, linear
+from tpspec.layers.cpu_weights import ONEDNN_PACK_ROWS, linear
 
 # SmolLM2-135M: hidden 576, 9 heads + 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152.
 LAYER_SHAPES = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]

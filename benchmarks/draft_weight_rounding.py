@@ -1,5 +1,5 @@
 """What rounding a drafter's own weights to Q4_1 (``--quantization q4_1``, the default on CPUs with
-the kernels; ``layers.linear.round_drafter_to_q4_1``) costs in acceptance: the same held-out
+the kernels; ``spec_decode.drafter_rounding.round_drafter_to_q4_1``) costs in acceptance: the same held-out
 HumanEval prompts drafted by the head as shipped (its bfloat16 weights, multiplied in float16)
 and rounded, each in a fresh process, greedy, fixed k, every request in one batch (acceptance
 does not depend on timing). Reports the mean acceptance length and the acceptance per draft position.

@@ -86,7 +86,7 @@ class SimRequest:
 
 def step_time_model(d: dict):
     """A ``StepTimeModel`` as its ``as_dict`` recorded it."""
-    from tpspec.spec_decode.step_time import PiecewiseLinear, StepTimeModel
+    from tpspec.engine.speculation.step_time import PiecewiseLinear, StepTimeModel
 
     model = StepTimeModel("ngram", PiecewiseLinear(d["rows_grid"], d["rows_s"]), PiecewiseLinear(d["seqs_grid"], d["seqs_s"]),
                           PiecewiseLinear(d["rows_grid"], d["feed_s"]), PiecewiseLinear(d["rows_grid"], d["draft_pass_s"]))
@@ -98,7 +98,7 @@ def step_time_model(d: dict):
 def replay(trace: dict, level: str, spec_dict: dict | None, noise: float, seed: int) -> dict:
     """One policy at one concurrency: simulated output tokens per second and what it chose."""
     from tpspec.config import SpeculativeConfig
-    from tpspec.spec_decode.controller import PlanRequest, SpeculationLengthController
+    from tpspec.engine.speculation.controller import PlanRequest, SpeculationLengthController
     from tpspec.spec_decode.ngram import NgramProposer
 
     c = int(level)

@@ -11,8 +11,9 @@ import sys
 import time
 
 from tpspec.bench.server_options import ServerOptions
-from tpspec.distributed.node_link import NodeStartError
+from tpspec.executor.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
+from tpspec.sampling_params import CLI_SAMPLING_DEFAULTS, default_of
 from tpspec.server.args import API_KEY_ENV, add_serve_args
 from tpspec.train.recipe import AUTOCAST_OPTIONS, CODE_SOURCES, FEATURE_DTYPES, LOSS_VOCABS, TRAIN_DEVICES, TRAIN_METHODS, DraftRecipe, TrainConfig
 
@@ -66,8 +67,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (seeded); inf = all at once")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=128, help="max output tokens per request")
+    p.add_argument("--temperature", type=float, default=CLI_SAMPLING_DEFAULTS["temperature"])
+    p.add_argument("--max-tokens", type=int, default=CLI_SAMPLING_DEFAULTS["max_tokens"], help="max output tokens per request")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request generates --max-tokens")
     p.add_argument("--random-input-len", type=int, default=128, help="prompt length of the random dataset")
     p.add_argument("--random-vocab-size", type=int, default=None,
@@ -228,11 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(g)
     g.add_argument("--prompt", "-p", action="append", help="a prompt (repeatable); default: a demo question")
     g.add_argument("--raw", action="store_true", help="feed prompts as raw text instead of through the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=CLI_SAMPLING_DEFAULTS["max_tokens"])
+    g.add_argument("--temperature", type=float, default=CLI_SAMPLING_DEFAULTS["temperature"])
+    g.add_argument("--top-p", type=float, default=default_of("top_p"))
+    g.add_argument("--top-k", type=int, default=default_of("top_k"))
+    g.add_argument("--min-p", type=float, default=default_of("min_p"))
     g.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=_generate)

@@ -56,7 +56,7 @@ def isa_caps() -> dict[str, str]:
 
 
 def has_fbgemm() -> bool:
-    """Whether this torch build has fbgemm (x86 builds), whose float16 GEMM ``layers.linear`` uses."""
+    """Whether this torch build has fbgemm (x86 builds), whose float16 GEMM ``layers.cpu_weights`` uses."""
     import torch
 
     return "fbgemm" in torch.backends.quantized.supported_engines

@@ -130,6 +130,21 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain integers >= 0, got {i!r} in {ids!r}")
         return tuple(ids)
 
+    def stop_for_token(
+        self, token_id: int, eos_token_ids: frozenset[int], num_output_tokens: int, max_tokens: int
+    ) -> tuple[str, int | None] | None:
+        """Whether an appended output token ends the request, by the token rules that the driver
+        and every rank apply alike (stop strings, which need the text, are the driver's): EOS
+        (unless ``ignore_eos``), a stop token, or the ``max_tokens``-th output token. Returns
+        (finish reason, stop reason): ("stop", None), ("stop", token_id), ("length", None); or None."""
+        if not self.ignore_eos and token_id in eos_token_ids:
+            return "stop", None
+        if token_id in self.stop_token_ids:
+            return "stop", token_id
+        if num_output_tokens >= max_tokens:
+            return "length", None
+        return None
+
     @property
     def is_greedy(self) -> bool:
         """True when the request takes the argmax (temperature 0)."""
@@ -145,3 +160,15 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
         return cls(**d)
+
+
+def default_of(name: str) -> Any:
+    """``SamplingParams``' default for the field ``name``: vLLM's, and the OpenAI server's."""
+    return next(f.default for f in dataclasses.fields(SamplingParams) if f.name == name)
+
+
+# Where the command line differs from those defaults: ``tpspec generate`` and ``tpspec bench``
+# decode greedily and longer, so that a demo or a benchmark gives the same text every run and
+# enough tokens to read or to time. The server keeps the OpenAI API's (temperature 1, 16 tokens
+# for completions), as vLLM's does.
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tpspec import LLM, SamplingParams
-from tpspec.config import resolve_quantization
+from tpspec.layers.cpu_weights import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
 from tpspec.layers import cpu_kernels
 

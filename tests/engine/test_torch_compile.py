@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch._dynamo.utils
 
-import tpspec.layers.linear
+import tpspec.layers.cpu_weights
 
 from tpspec import LLM, SamplingParams
 
@@ -30,8 +30,8 @@ SEEDED = [SamplingParams(temperature=1.5, seed=20 + i, top_p=0.95, max_tokens=20
 def _generate(folder: str, tp: int, torch_compile: bool, monkeypatch) -> dict:
     packed_products = []
     for kernel in ("_onednn_linear", "_fbgemm_float16_linear"):  # float32 weights, float16 weights (the default)
-        original = getattr(tpspec.layers.linear, kernel)
-        monkeypatch.setattr(tpspec.layers.linear, kernel, lambda *a, f=original: packed_products.append(1) or f(*a))
+        original = getattr(tpspec.layers.cpu_weights, kernel)
+        monkeypatch.setattr(tpspec.layers.cpu_weights, kernel, lambda *a, f=original: packed_products.append(1) or f(*a))
     with LLM(folder, tensor_parallel_size=tp, num_kv_blocks=96, max_model_len=128, torch_compile=torch_compile) as llm:
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         packed_products.clear()  # the start-up compilation's dummy steps

@@ -1,4 +1,4 @@
-"""``layers.linear.linear``: float16 CPU layers run through their weight packed for fbgemm
+"""``layers.cpu_weights.linear``: float16 CPU layers run through their weight packed for fbgemm
 (``PackedCPUWeight.packed_weight``), float32 math on the float16 weights; without it (inside
 torch.compile) float16 goes through float32 past a few rows, and gives what the native float16
 matmul gives up to its last rounding; float32 CPU layers run through their weight reordered for
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tpspec.cpu_features import has_fbgemm
-from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, ReplicatedLinear, linear
+from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, ONEDNN_MAX_ROWS, ONEDNN_ROW_BUCKETS, linear
+from tpspec.layers.linear import ReplicatedLinear
 
 
 @pytest.mark.parametrize("rows", [1, CPU_FLOAT16_MAX_ROWS, CPU_FLOAT16_MAX_ROWS + 1, 64])

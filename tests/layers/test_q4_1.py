@@ -10,14 +10,9 @@ from torch import nn
 
 from tpspec import cpu_features
 from tpspec.layers import cpu_kernels
-from tpspec.layers.linear import (
-    QUANTIZED_MAX_ROWS,
-    LinearBase,
-    RowParallelLinear,
-    pack_cpu_weights,
-    packed_weight_of,
-    round_drafter_to_q4_1,
-)
+from tpspec.layers.cpu_weights import QUANTIZED_MAX_ROWS, pack_cpu_weights, packed_weight_of
+from tpspec.layers.linear import LinearBase, RowParallelLinear
+from tpspec.spec_decode.drafter_rounding import round_drafter_to_q4_1
 from tpspec.layers.q4_1 import GROUP, _pack_nibbles, _unpack_nibbles, dequantize, quantize_exact, round_to_q4_1
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,

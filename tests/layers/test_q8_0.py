@@ -9,7 +9,8 @@ import torch
 
 from tpspec import cpu_features
 from tpspec.layers import cpu_kernels
-from tpspec.layers.linear import QUANTIZED_MAX_ROWS, LinearBase, pack_cpu_weights, packed_weight_of
+from tpspec.layers.cpu_weights import QUANTIZED_MAX_ROWS, pack_cpu_weights, packed_weight_of
+from tpspec.layers.linear import LinearBase
 from tpspec.layers.q8_0 import GROUP, dequantize, quantize_exact
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,

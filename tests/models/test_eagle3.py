@@ -31,7 +31,7 @@ from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
 from tpspec.models.llama import LlamaForCausalLM
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.spec_decode.eagle import Eagle3Proposer
-from tpspec.spec_decode.speculator import DraftInput
+from tests.drafting_utils import propose_drafts
 
 VOCAB, DRAFT_VOCAB = 1000, 500  # draft vocab padded to 512: padding on the last shard at TP 2
 HEAD = dict(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)
@@ -220,7 +220,7 @@ def test_drafts_match_reference(variant, tiny_llama, target_model, tmp_path):
     config = _engine_config(tiny_llama, folder)
     spec = Eagle3Proposer(config.speculative, config, torch.device("cpu"))
     assert spec.capture_layers == (1, 0, 1)  # ids 2, 1, 2 = outputs of layers 1, 0, 1
-    spec.load_model(target_model, 96 * BLOCK)
+    spec.load(target_model, 96 * BLOCK)
     assert (spec.model.embedding is target_model.embed_tokens) != shipped
 
     g = torch.Generator().manual_seed(7)
@@ -232,24 +232,24 @@ def test_drafts_match_reference(variant, tiny_llama, target_model, tmp_path):
     propose = [True, True, False, True]
     feats = [_captured(target_model, t, spec.capture_layers)[: len(t) - p] for t, p in zip(token_ids, propose)]
     # Sequence 1 wants only 2 drafts (the speculation length varies per request).
-    out = spec.propose(DraftInput(token_ids, [0] * 4, tables, propose, [K, 2, 0, K], None, torch.cat(feats)))
-    assert out.drafts[2] == [] and all(q is None for q in out.dists)
-    assert len(out.drafts[1]) == 2
-    assert len(out.drafts[3]) == 2  # drafts 3 and 4 would sit at positions >= max_model_len
+    drafts = propose_drafts(spec, token_ids, [0] * 4, tables, propose, [K, 2, 0, K], None, torch.cat(feats))
+    assert drafts[2] == [] and all(q is None for q in spec.states.values() for q in [q.draft_dists])
+    assert len(drafts[1]) == 2
+    assert len(drafts[3]) == 2  # drafts 3 and 4 would sit at positions >= max_model_len
     for i in (0, 1, 3):
         _, want = ref.run(prompts[i], K)
-        assert out.drafts[i] == want[: len(out.drafts[i])], i
+        assert drafts[i] == want[: len(drafts[i])], i
 
     # Round 2: sequence 0 accepted two drafts, sequence 1 none; each gets a new bonus token.
-    accepted = {0: out.drafts[0][:2], 1: []}
+    accepted = {0: drafts[0][:2], 1: []}
     token_ids = [[prompts[i][-1]] + accepted[i] + [5 + i] for i in (0, 1)]
     starts = [len(prompts[i]) - 1 for i in (0, 1)]
     full = [prompts[i][:-1] + token_ids[i] for i in (0, 1)]
     feats = [_captured(target_model, f, spec.capture_layers)[s : len(f) - 1] for f, s in zip(full, starts)]
-    out = spec.propose(DraftInput(token_ids, starts, tables[:2], [True, True], [K, K], None, torch.cat(feats)))
+    drafts = propose_drafts(spec, token_ids, starts, tables[:2], [True, True], [K, K], None, torch.cat(feats))
     for i in (0, 1):
         row_logits, want = ref.run(full[i], K)
-        assert out.drafts[i] == want, i
+        assert drafts[i] == want, i
         # The refed rows' logits, through the same cache (rows before start_pos were written in round 1).
         n = len(token_ids[i]) - 1
         hidden = spec.model.combine_hidden_states(feats[i][:n])

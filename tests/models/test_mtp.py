@@ -26,7 +26,8 @@ from tpspec.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerC
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.mtp import MTPConfig, MTPModel
 from tpspec.spec_decode.mtp import MTPProposer
-from tpspec.spec_decode.speculator import FINAL_HIDDEN, DraftInput
+from tpspec.spec_decode.speculator import FINAL_HIDDEN
+from tests.drafting_utils import propose_drafts
 
 VOCAB = 1000
 K = 4
@@ -166,7 +167,7 @@ def test_drafts_match_reference(variant, tiny_llama, target_model, tmp_path):
     config = _engine_config(tiny_llama, folder)
     spec = MTPProposer(config.speculative, config, torch.device("cpu"))
     assert spec.capture_layers == (FINAL_HIDDEN,)
-    spec.load_model(target_model, 96 * BLOCK)
+    spec.load(target_model, 96 * BLOCK)
     assert (spec.model.head is target_model.lm_head) != whole
 
     def features(tokens):  # the runner's: the target's final-norm output
@@ -178,24 +179,24 @@ def test_drafts_match_reference(variant, tiny_llama, target_model, tmp_path):
     # Round 1: sequences 0, 1 and 3 propose from their whole prompt; sequence 2 is a partial prefill chunk.
     propose = [True, True, False, True]
     feats = [features(t)[: len(t) - p] for t, p in zip(prompts, propose)]
-    out = spec.propose(DraftInput(prompts, [0] * 4, tables, propose, [K, 2, 0, K], None, torch.cat(feats)))
-    assert out.drafts[2] == [] and len(out.drafts[1]) == 2
-    assert len(out.drafts[3]) == 2  # drafts 3 and 4 would sit at positions >= max_model_len
+    drafts = propose_drafts(spec, prompts, [0] * 4, tables, propose, [K, 2, 0, K], None, torch.cat(feats))
+    assert drafts[2] == [] and len(drafts[1]) == 2
+    assert len(drafts[3]) == 2  # drafts 3 and 4 would sit at positions >= max_model_len
     for i in (0, 1, 3):
         _, want = ref.run(prompts[i], K)
-        assert out.drafts[i] == want[: len(out.drafts[i])], i
-    assert len(set(out.drafts[0])) > 1
+        assert drafts[i] == want[: len(drafts[i])], i
+    assert len(set(drafts[0])) > 1
 
     # Round 2: sequence 0 accepted two drafts, sequence 1 none; each gets a new bonus token.
-    accepted = {0: out.drafts[0][:2], 1: []}
+    accepted = {0: drafts[0][:2], 1: []}
     token_ids = [[prompts[i][-1]] + accepted[i] + [5 + i] for i in (0, 1)]
     starts = [len(prompts[i]) - 1 for i in (0, 1)]
     full = [prompts[i][:-1] + token_ids[i] for i in (0, 1)]
     feats = [features(f)[s : len(f) - 1] for f, s in zip(full, starts)]
-    out = spec.propose(DraftInput(token_ids, starts, tables[:2], [True, True], [K, K], None, torch.cat(feats)))
+    drafts = propose_drafts(spec, token_ids, starts, tables[:2], [True, True], [K, K], None, torch.cat(feats))
     for i in (0, 1):
         row_logits, want = ref.run(full[i], K)
-        assert out.drafts[i] == want, i
+        assert drafts[i] == want, i
         n = len(token_ids[i]) - 1
         with torch.inference_mode():
             normed, _ = spec._run(token_ids[i][1:], list(range(starts[i], starts[i] + n)), feats[i][:n], [n], [tables[i]])
@@ -221,14 +222,14 @@ def test_chain_steps_cycle_through_the_mtp_layers(tiny_llama, target_model, tmp_
     folder = write_mtp(str(tmp_path / "mtp2"), tiny_llama, seed=3, num_layers=2)
     config = _engine_config(tiny_llama, folder)
     spec = MTPProposer(config.speculative, config, torch.device("cpu"))
-    spec.load_model(target_model, 96 * BLOCK)
+    spec.load(target_model, 96 * BLOCK)
     assert len(spec.kv_caches) == 2 and len(spec.model.layers) == 2
     calls = []
     layers = spec.model.layers
     for i, layer in enumerate(layers):
         layer.register_forward_hook(lambda mod, args, out, i=i: calls.append((i, args[1].shape[0])))
     tokens = list(range(10, 20))
-    spec.propose(DraftInput([tokens], [0], [list(range(16))], [True], [K], None, _final(target_model, tokens)[:-1]))
+    propose_drafts(spec, [tokens], [0], [list(range(16))], [True], [K], None, _final(target_model, tokens)[:-1])
     assert calls == [(0, 9), (1, 1), (0, 1), (1, 1)]
 
 

@@ -7,14 +7,18 @@ import threading
 import time
 from types import SimpleNamespace
 
-from tpspec.distributed.executor import EngineDeadError
+from tpspec.executor.executor import EngineDeadError
 from tpspec.engine.outputs import CompletionOutput, RequestOutput
+
+
+VOCAB_SIZE = 50_000
 
 
 class FakeEngine:
     def __init__(self, tokenizer=None, max_model_len: int = 64, step_s: float = 0.002, default_tokens: int = 3):
         self.tokenizer = tokenizer
-        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_model_len=max_model_len), model="fake")
+        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_model_len=max_model_len), model="fake",
+                                      arch=SimpleNamespace(vocab_size=VOCAB_SIZE))
         self.step_s = step_s
         self.default_tokens = default_tokens
         self.requests: dict[str, dict] = {}

@@ -195,7 +195,7 @@ BAD_COMPLETIONS = {
     "zero max_tokens": ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     "huge max_tokens": ({"model": MODEL, "prompt": "a", "max_tokens": 10**9}, 400, "max_tokens"),
     "prompt too long": ({"model": MODEL, "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
-    "token id out of range": ({"model": MODEL, "prompt": [1, 10**6]}, 400, None),
+    "token id out of range": ({"model": MODEL, "prompt": [1, 10**6]}, 400, "prompt"),
     "empty prompt": ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     "batch of prompts": ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     "negative temperature": ({"model": MODEL, "prompt": "a", "temperature": -0.5}, 400, "temperature"),

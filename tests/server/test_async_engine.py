@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tpspec.distributed.executor import EngineDeadError
+from tpspec.executor.executor import EngineDeadError
 from tpspec.engine.async_engine import AsyncEngine
 from tpspec.sampling_params import SamplingParams
 

@@ -36,14 +36,17 @@ def test_the_shipped_drafter_is_lossless(plain, method, folder, flag):
 
 
 def test_only_the_shipped_eagle3_heads_are_rounded(tmp_path):
-    from tpspec.spec_decode.shipped import rounds_drafter_to_q4_1, shipped_drafter
+    """The methods table rounds the shipped EAGLE-3 heads only (the shipped DFlash drafter accepts
+    less rounded, and drafts no faster); a user's head, or a user's copy of a shipped one, stays
+    as loaded."""
+    from tpspec.config.speculative_methods import get_method
+    from tpspec.spec_decode.resolve import is_shipped_drafter, shipped_drafter
 
-    head = shipped_drafter("eagle3", None)
-    assert rounds_drafter_to_q4_1("eagle3", head) and rounds_drafter_to_q4_1("eagle", head)
-    assert not rounds_drafter_to_q4_1("dflash", shipped_drafter("dflash", None))  # slower to accept, no faster
-    assert not rounds_drafter_to_q4_1("dflash", shipped_drafter("dflash", "gemma-3-270m"))
-    assert not rounds_drafter_to_q4_1("eagle3", str(tmp_path))  # a user's head stays as loaded
-    assert not rounds_drafter_to_q4_1("eagle3", None)
+    assert get_method("eagle3").rounds_shipped_drafter_to_q4_1 and get_method("eagle").rounds_shipped_drafter_to_q4_1
+    assert not get_method("dflash").rounds_shipped_drafter_to_q4_1
+    head = shipped_drafter(get_method("eagle3"), None)
+    assert is_shipped_drafter(head) and is_shipped_drafter(shipped_drafter(get_method("dflash"), "gemma-3-270m"))
+    assert not is_shipped_drafter(str(tmp_path)) and not is_shipped_drafter(None)
 
 
 def test_the_shipped_head_is_rounded_to_q4_1_alike_at_every_tp_size(monkeypatch):
@@ -59,9 +62,9 @@ def test_the_shipped_head_is_rounded_to_q4_1_alike_at_every_tp_size(monkeypatch)
     propose = Eagle3Proposer.propose
 
     def recording(self, inp):
-        out = propose(self, inp)
-        recorded.append(out.drafts)
-        return out
+        fed = propose(self, inp)
+        recorded.append([self.drafts(r) for r in inp.req_ids])
+        return fed
 
     monkeypatch.setattr(Eagle3Proposer, "propose", recording)
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False}

@@ -1,7 +1,8 @@
 """``--speculative-config`` validation: every user error is a ValueError that names the key and
 the bad value, raised by ``SpeculativeConfig.from_dict``, by ``LLM(...)`` before any model is
 loaded (engine-level checks: draft TP size, draft vocabulary, draft context), or, for
-``use_local_argmax_reduction``, when the draft model is loaded (as vLLM's MR V2 does)."""
+``use_local_argmax_reduction``, against the draft model's class, still in the caller's process
+(vLLM's MR V2 checks it at model load, in the workers)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from tpspec import LLM, SamplingParams
 from tpspec.config import EngineConfig, ModelArchConfig, SchedulerConfig, SpeculativeConfig
-from tpspec.spec_decode.speculator import DraftModelSpeculator
+from tpspec.spec_decode.speculator import check_local_argmax_reduction
 
 DRAFT = {"method": "draft_model", "model": "/some/draft", "num_speculative_tokens": 4}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -38,7 +39,7 @@ BAD = [
     ("k-zero", _with(DRAFT, num_speculative_tokens=0), "num_speculative_tokens", "0"),
     ("k-negative", _with(NGRAM, num_speculative_tokens=-2), "num_speculative_tokens", "-2"),
     ("k-huge", _with(DRAFT, num_speculative_tokens=65), "num_speculative_tokens", "65"),
-    ("k-missing", _with(DRAFT, num_speculative_tokens=_DROP), "num_speculative_tokens", "required"),
+    ("k-missing", _with(NGRAM, num_speculative_tokens=_DROP), "num_speculative_tokens", "required"),
     ("method-missing", _with(DRAFT, method=_DROP), "method", "required"),
     ("flag-str", _with(DRAFT, use_local_argmax_reduction="yes"), "use_local_argmax_reduction", "'yes'"),
     ("flag-int", _with(DRAFT, use_local_argmax_reduction=1), "use_local_argmax_reduction", "1"),
@@ -86,8 +87,8 @@ def test_from_dict_accepts_and_fills_defaults():
     assert c.model is None and c.use_local_argmax_reduction is False and c.draft_sample_method == "greedy"
     c = SpeculativeConfig.from_dict(_with(DRAFT, use_local_argmax_reduction=True, draft_tensor_parallel_size=1))
     assert c.use_local_argmax_reduction is True and c.draft_tensor_parallel_size == 1
-    # The flag with probabilistic drafting is checked at model load (it needs a draft model with
-    # compute_logits_shard), not here.
+    # The flag with probabilistic drafting is checked against the draft model's class (it needs
+    # compute_logits_shard) when the drafter is resolved, not here.
     SpeculativeConfig.from_dict(_with(DRAFT, use_local_argmax_reduction=True, draft_sample_method="probabilistic"))
 
 
@@ -112,6 +113,23 @@ def test_a_drafter_without_a_model_needs_a_target_tpspec_ships_one_for(tiny_llam
             LLM(tiny_llama, speculative_config={"method": method, "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match=r"speculative_config.model is required for method 'draft_model'"):
         LLM(tiny_llama, speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
+
+
+def test_the_most_drafts_default_to_what_the_drafter_was_trained_for(tiny_llama):
+    """tpspec chooses k itself, so the maximum may be left out: the shipped EAGLE-3 head's chain
+    depth (the methods table), a DFlash drafter's block size − 1 (its checkpoint); a draft model
+    says nothing, so there it stays required. Resolved before any worker starts."""
+    from tpspec.engine.engine_args import EngineArgs
+
+    def k(spec, model=None):
+        return EngineArgs(model=model, speculative_config=spec).create_engine_config("cpu").speculative.num_speculative_tokens
+
+    assert SpeculativeConfig.from_dict({"method": "eagle3"}).num_speculative_tokens == 6
+    assert k({"method": "eagle3"}) == 6 and k({"method": "eagle"}) == 6
+    assert k({"method": "dflash"}) == 15
+    assert k({"method": "dflash", "num_speculative_tokens": 4}) == 4
+    with pytest.raises(ValueError, match=r"num_speculative_tokens is required for method 'draft_model'"):
+        k({"method": "draft_model", "model": tiny_llama}, tiny_llama)
 
 
 @pytest.mark.parametrize("tp,draft_tp", [(1, 2), (2, 3), (2, 4)])
@@ -159,7 +177,7 @@ def test_flag_with_probabilistic_drafting_loads_a_model_with_sharded_logits(tiny
         assert len(llm.generate("def add(a, b):", params, use_tqdm=False)[0].outputs[0].token_ids) == 6
 
 
-# ---- DraftModelSpeculator._validate_local_argmax_reduction on stub models ------------------------
+# ---- check_local_argmax_reduction on stub model classes (before any worker starts) ---------------
 
 
 class _NoTopTokens(torch.nn.Module):
@@ -176,25 +194,17 @@ class _WithTopTokens(_NoTopTokens):
         raise AssertionError("not called")
 
 
-def _speculator(tiny_llama, model, **spec) -> DraftModelSpeculator:
-    config = SpeculativeConfig.from_dict(_with(DRAFT, model=tiny_llama, **spec))
-    arch = ModelArchConfig.from_folder(tiny_llama)
-    engine = EngineConfig(
-        model=tiny_llama, arch=arch, scheduler=SchedulerConfig(max_model_len=512), speculative=config, draft_arch=arch
-    )
-    s = DraftModelSpeculator(config, engine, torch.device("cpu"))
-    s.model = model
-    return s
+def _check(tiny_llama, model_cls, **spec) -> None:
+    check_local_argmax_reduction(SpeculativeConfig.from_dict(_with(DRAFT, model=tiny_llama, **spec)), model_cls)
 
 
 @pytest.mark.parametrize("model_cls", [_NoTopTokens, _TopTokensNotCallable])
 def test_flag_needs_a_draft_model_with_get_top_tokens(tiny_llama, model_cls):
-    s = _speculator(tiny_llama, model_cls(), use_local_argmax_reduction=True)
     msg = rf"use_local_argmax_reduction=true needs a draft model with get_top_tokens\(\); {model_cls.__name__} has none"
     with pytest.raises(ValueError, match=msg):
-        s._validate_local_argmax_reduction()
+        _check(tiny_llama, model_cls, use_local_argmax_reduction=True)
     # Without the flag the same model is fine (drafting all-gathers full logits instead).
-    _speculator(tiny_llama, model_cls())._validate_local_argmax_reduction()
+    _check(tiny_llama, model_cls)
 
 
 class _WithShardedLogits(_WithTopTokens):
@@ -203,15 +213,12 @@ class _WithShardedLogits(_WithTopTokens):
 
 
 def test_flag_accepts_a_draft_model_with_get_top_tokens(tiny_llama):
-    _speculator(tiny_llama, _WithTopTokens(), use_local_argmax_reduction=True)._validate_local_argmax_reduction()
+    _check(tiny_llama, _WithTopTokens, use_local_argmax_reduction=True)
     # Probabilistic drafting with the flag needs the sharded hook; without it the old error stays.
-    s = _speculator(tiny_llama, _WithTopTokens(), use_local_argmax_reduction=True, draft_sample_method="probabilistic")
     msg = r"use_local_argmax_reduction=true only applies to greedy.*'probabilistic'.*compute_logits_shard"
     with pytest.raises(ValueError, match=msg):
-        s._validate_local_argmax_reduction()
-    _speculator(
-        tiny_llama, _WithShardedLogits(), use_local_argmax_reduction=True, draft_sample_method="probabilistic"
-    )._validate_local_argmax_reduction()
+        _check(tiny_llama, _WithTopTokens, use_local_argmax_reduction=True, draft_sample_method="probabilistic")
+    _check(tiny_llama, _WithShardedLogits, use_local_argmax_reduction=True, draft_sample_method="probabilistic")
 
 
 def test_kv_lookahead_only_for_a_draft_model(tiny_llama):

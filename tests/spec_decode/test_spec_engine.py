@@ -314,9 +314,9 @@ def test_dflash_drafts_are_identical_at_tp1_and_tp2(models, monkeypatch):
     propose = DFlashSpeculator.propose
 
     def recording(self, inp):
-        out = propose(self, inp)
-        recorded.append(out.drafts)
-        return out
+        fed = propose(self, inp)
+        recorded.append([self.drafts(r) for r in inp.req_ids])
+        return fed
 
     monkeypatch.setattr(DFlashSpeculator, "propose", recording)
     drafts = {}
@@ -462,7 +462,8 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
         for rid, (prompt, params) in requests.items():
             engine.add_request(prompt, params, request_id=rid)
         final = {"abort-waiting": engine.abort_request("abort-waiting")}
-        states = runner.requests.states  # req id -> RequestState
+        states = runner.speculator.states  # req id -> DraftState
+        records = runner.requests.requests  # req id -> RankRequest
         most_dists = 0
         for _ in range(1000):  # a few hundred steps are needed; more means no progress
             if not engine.has_unfinished_requests():
@@ -473,7 +474,7 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
                     final[out.request_id] = out
             # State only for requests alive at the start of this step (aborted ones are dropped
             # with the next step, finished ones right away).
-            assert set(states) <= unfinished_before
+            assert set(states) <= unfinished_before and set(records) <= unfinished_before
             most_dists = max(most_dists, sum(st.draft_dists is not None for st in states.values()))
             tracked = engine._tracked.get("abort-running")
             if tracked is not None and len(tracked.req.output_token_ids) >= 3:
@@ -483,7 +484,7 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
         stats = llm.get_stats()
         assert stats["num_preemptions"] > 0
         assert most_dists >= 2
-        assert states == {}
+        assert states == {} and records == {}
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == SMALL["num_kv_blocks"]
         assert stats["num_running"] == stats["num_waiting"] == 0 and not engine._tracked
         assert set(final) == set(requests)
@@ -501,11 +502,11 @@ def test_nothing_leaks_under_preemption_and_aborts(tp, models):
         engine.add_request(PROMPTS[0], SEEDED[0], request_id="idle-abort")
         for _ in range(3):
             engine.step()
-        assert set(states) == {"idle-abort"} and states["idle-abort"].draft_dists is not None
+        assert set(states) == set(records) == {"idle-abort"} and states["idle-abort"].draft_dists is not None
         steps = engine.stats["num_steps"]
         engine.abort_request("idle-abort")
         stats = llm.get_stats()
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_steps"] == steps
         engine.add_request(PROMPTS[1], GREEDY, request_id="next")
         engine.step()
-        assert set(states) == {"next"}
+        assert set(states) == set(records) == {"next"}

@@ -17,13 +17,13 @@ from tests.models.test_eagle3 import _captured, _engine_config, _target
 from tests.train.cut_run import uncut_and_resumed
 from tpspec.config import ModelArchConfig
 from tpspec.spec_decode.eagle import Eagle3Proposer
-from tpspec.spec_decode.speculator import DraftInput
 from tpspec.train.eagle3_module import Eagle3TrainModel, new_eagle3_config
 from tpspec.train.chain_trainer import build_chain_batch
 from tpspec.train.eagle3_trainer import Eagle3Trainer, choose_draft_vocab
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
 from tpspec.train.trainer import FeatureData
+from tests.drafting_utils import propose_drafts
 
 LAYERS = (1, 0, 1)  # tpspec layer ids (outputs of layers 1, 0, 1): the tiny target has 3 layers
 K = 4
@@ -63,14 +63,14 @@ def test_the_chain_trained_is_the_chain_the_serving_head_drafts(tiny_llama, tmp_
     config = _engine_config(tiny_llama, folder)
     spec = Eagle3Proposer(config.speculative, config, torch.device("cpu"))
     assert spec.capture_layers == LAYERS
-    spec.load_model(target, 96 * 4)
+    spec.load(target, 96 * 4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (12, 7, 20)]
     tables = [[3 * j + i for j in range(17)] for i in range(3)]
     feats = [_captured(target, t, LAYERS)[: len(t) - 1] for t in prompts]
-    out = spec.propose(DraftInput(prompts, [0] * 3, tables, [True] * 3, [K] * 3, None, torch.cat(feats)))
+    drafts = propose_drafts(spec, prompts, [0] * 3, tables, [True] * 3, [K] * 3, None, torch.cat(feats))
     embed = target.embed_tokens.weight.detach()
-    for prompt, feat, drafted in zip(prompts, feats, out.drafts):
+    for prompt, feat, drafted in zip(prompts, feats, drafts):
         assert len(drafted) == K
         assert _trained_chain(head, embed, feat, prompt, K) == drafted
     # and step 0's logits on every row are the serving head's on its refed rows

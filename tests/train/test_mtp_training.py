@@ -24,11 +24,11 @@ from tests.models.test_mtp import _engine_config, _final
 from tests.train.cut_run import uncut_and_resumed
 from tpspec.config import read_config_json
 from tpspec.spec_decode.mtp import MTPProposer
-from tpspec.spec_decode.speculator import DraftInput
 from tpspec.train.mtp_module import MTPTrainModel, new_mtp_config
 from tpspec.train.mtp_trainer import MTPTrainer
 from tpspec.train.recipe import DraftRecipe, TrainConfig
 from tpspec.train.train_draft import train_draft
+from tests.drafting_utils import propose_drafts
 
 K = 4
 
@@ -67,14 +67,14 @@ def test_the_chain_trained_is_the_chain_the_serving_module_drafts(tiny_llama, tm
     target = _target(tiny_llama)
     config = _engine_config(tiny_llama, folder)
     spec = MTPProposer(config.speculative, config, torch.device("cpu"))
-    spec.load_model(target, 96 * 4)
+    spec.load(target, 96 * 4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (12, 7, 20)]
     tables = [[3 * j + i for j in range(17)] for i in range(3)]
     feats = [_final(target, t)[: len(t) - 1] for t in prompts]
-    out = spec.propose(DraftInput(prompts, [0] * 3, tables, [True] * 3, [K] * 3, None, torch.cat(feats)))
+    drafts = propose_drafts(spec, prompts, [0] * 3, tables, [True] * 3, [K] * 3, None, torch.cat(feats))
     embed, head = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()[:1000]  # unpadded
-    for prompt, feat, drafted in zip(prompts, feats, out.drafts):
+    for prompt, feat, drafted in zip(prompts, feats, drafts):
         assert len(drafted) == K and len(set(drafted)) > 1
         assert _trained_chain(module, embed, head, feat, prompt, K) == drafted
     n = len(prompts[2]) - 1

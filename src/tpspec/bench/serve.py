@@ -35,6 +35,7 @@ from tpspec.bench.metrics import (
     parse_metrics,
     spec_decode_delta,
 )
+from tpspec.sampling_params import CLI_SAMPLING_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,8 @@ class Workload:
     endpoint: str = COMPLETIONS
     max_concurrency: int | None = None  # None: no limit
     request_rate: float = math.inf  # requests/s, Poisson arrivals; inf: all at once
-    temperature: float = 0.0
-    max_tokens: int = 128
+    temperature: float = CLI_SAMPLING_DEFAULTS["temperature"]
+    max_tokens: int = CLI_SAMPLING_DEFAULTS["max_tokens"]
     seed: int = 0  # arrivals, random prompts, and per-request sampling seeds (seed + index)
     ignore_eos: bool = False
     num_warmups: int = 0  # requests sent (and waited for) before the measured run

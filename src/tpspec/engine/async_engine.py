@@ -31,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tpspec.distributed.executor import EngineDeadError
+from tpspec.executor.executor import EngineDeadError
 from tpspec.engine.llm_engine import LLMEngine
 from tpspec.engine.outputs import RequestOutput
 from tpspec.sampling_params import SamplingParams
@@ -236,6 +236,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.scheduler.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.arch.vocab_size
 
     # ---- requests -----------------------------------------------------------------------------
     def _submit(self, command: tuple) -> None:

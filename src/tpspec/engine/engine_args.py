@@ -32,6 +32,18 @@ logger = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    import torch  # lazily: the CLI parses its flags with this module
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return device
+
+
 def _config_default(cls: type, name: str) -> Any:
     return next(f for f in dataclasses.fields(cls) if f.name == name).default
 
@@ -121,11 +133,14 @@ class EngineArgs:
 
     # ---- the engine's configuration -------------------------------------------------------------
     def create_engine_config(self, device_kind: str) -> EngineConfig:
-        """The validated ``EngineConfig`` (model and drafter resolved and read) for ``device_kind``
-        ("cpu" or "cuda", from ``resolve_device``)."""
-        from tpspec.config import ModelArchConfig, resolve_dtype, resolve_quantization
+        """The validated ``EngineConfig`` (model and drafter resolved and read, the drafter and the
+        KV cache checked against the model) for ``device_kind`` ("cpu" or "cuda", from
+        ``resolve_device``): everything is checked here, in the caller's process, before any worker starts."""
+        from tpspec.config import ModelArchConfig, resolve_dtype
+        from tpspec.layers.cpu_weights import resolve_quantization
         from tpspec.cpu_features import emulated_dtype_warning, has_fbgemm
         from tpspec.models.loader.resolve import resolve_model
+        from tpspec.models.registry import get_model_class
         from tpspec.spec_decode.resolve import resolve_drafter
 
         spec = self.speculative_config
@@ -153,6 +168,7 @@ class EngineArgs:
             logger.warning("%s", warning)
         folder = resolve_model(self.model)
         arch = ModelArchConfig.from_folder(folder)
+        get_model_class(arch.architecture)  # an unsupported architecture fails here, before any worker starts
         draft_arch = None
         if spec is not None:
             spec, draft_arch = resolve_drafter(spec, folder, arch, self.model)
@@ -180,16 +196,20 @@ class EngineArgs:
             torch_compile=self.torch_compile,
             quantization=quantization,
         )
-        if self.max_model_len is None:  # the model's context, unless the KV cache holds less
-            import torch
+        import torch
 
-            from tpspec.worker.model_runner import num_kv_blocks
+        from tpspec.layers.attention import num_kv_blocks
 
-            capacity = num_kv_blocks(config, torch.device(device_kind)) * config.cache.block_size
-            if capacity < config.scheduler.max_model_len:
-                logger.info("max_model_len = %d, the tokens the KV cache holds (the model's context is %d; "
-                            "--kv-cache-memory-gb raises it)", capacity, arch.max_position_embeddings)
-                config = dataclasses.replace(
-                    config, scheduler=dataclasses.replace(config.scheduler, max_model_len=capacity)
+        num_blocks = num_kv_blocks(config, torch.device(device_kind))  # what every rank will allocate
+        capacity = num_blocks * config.cache.block_size
+        if capacity < config.scheduler.max_model_len:
+            if self.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                    f"max_model_len={config.scheduler.max_model_len}: raise the KV cache size or lower max_model_len"
                 )
+            # The model's context, unless the KV cache holds less.
+            logger.info("max_model_len = %d, the tokens the KV cache holds (the model's context is %d; "
+                        "--kv-cache-memory-gb raises it)", capacity, arch.max_position_embeddings)
+            config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=capacity))
         return config

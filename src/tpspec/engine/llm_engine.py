@@ -6,35 +6,25 @@ import logging
 import random
 import time
 
-import torch
 
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
-from tpspec.distributed.executor import Executor
+from tpspec.executor.executor import Executor
 from tpspec.engine.detokenizer import IncrementalDetokenizer
-from tpspec.engine.engine_args import DEVICES, EngineArgs
+from tpspec.engine.engine_args import EngineArgs, resolve_device
 from tpspec.engine.kv_cache import BlockManager
 from tpspec.engine.outputs import CompletionOutput, RequestOutput
+from tpspec.engine.prompt_checks import check_prompt
 from tpspec.engine.scheduler import Scheduler
 from tpspec.engine.sequence import Request, RequestStatus
 from tpspec.sampling_params import SamplingParams
-from tpspec.spec_decode.controller import PlanRequest, SpeculationLengthController
-from tpspec.spec_decode.metrics import SpecDecodeStats
-from tpspec.spec_decode.step_time import StepTimeModel
+from tpspec.engine.speculation.controller import PlanRequest, SpeculationLengthController
+from tpspec.engine.speculation.metrics import SpecDecodeStats
+from tpspec.engine.speculation.step_time import StepTimeModel
 from tpspec.tokenizer import Tokenizer
 from tpspec.worker.step import StepOutput
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> str:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return device
 
 
 class _Tracked:
@@ -60,13 +50,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = Executor(config, device_kind)
         num_blocks = self.executor.num_blocks
-        capacity = num_blocks * config.cache.block_size
-        if capacity < config.scheduler.max_model_len:
-            self.executor.shutdown()
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
-                f"max_model_len={config.scheduler.max_model_len}: raise the KV cache size or lower max_model_len"
-            )
         self.block_manager = BlockManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_tokens)
         spec = config.speculative
@@ -93,7 +76,7 @@ class LLMEngine:
 
     def _profile_step_time(self) -> StepTimeModel:
         """The adaptive controller's cost curves, measured on every rank at start-up."""
-        return StepTimeModel.from_profile(self.config.speculative.method, self.executor.call("profile_step_time"))
+        return StepTimeModel.from_profile(self.config.speculative.method_spec, self.executor.call("profile_step_time"))
 
     @classmethod
     def from_args(cls, **engine_args) -> "LLMEngine":
@@ -101,10 +84,7 @@ class LLMEngine:
         naming it, a bad value a ``ValueError``."""
         args = EngineArgs(**engine_args)
         device_kind = resolve_device(args.device)
-        config = args.create_engine_config(device_kind)
-        from tpspec.models.registry import get_model_class
-
-        get_model_class(config.arch.architecture)  # unsupported architecture: fail before spawning anything
+        config = args.create_engine_config(device_kind)  # every check before a worker starts
         return cls(config, Tokenizer.from_pretrained(config.model), device_kind)
 
     # ---- requests -------------------------------------------------------------------------
@@ -118,22 +98,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        vocab = self.config.arch.vocab_size
-        if not ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {[t for t in ids if t < 0 or t >= vocab][:3]}")
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
+        ids = check_prompt(ids, self.config.arch.vocab_size, self.config.scheduler.max_model_len)
         max_len = self.config.scheduler.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens long; max_model_len is {max_len}, leaving no room to generate"
-            )
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

@@ -72,14 +72,14 @@ class Request:
         string its text completed, EOS, a stop token id, ``max_tokens``). The scheduler calls
         it for every token and owns the decision: tokens after the one that ends a request are
         never appended."""
-        params = self.sampling_params
         stop = self.on_token(token_id) if self.on_token is not None else None
         if stop is not None:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-        elif token_id in params.stop_token_ids:
-            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-        elif len(self.output_token_ids) >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        ended = self.sampling_params.stop_for_token(
+            token_id, self.eos_token_ids, len(self.output_token_ids), self.max_tokens
+        )
+        if ended is not None:
+            finish_reason, self.stop_reason = ended
+            self.status = RequestStatus(finish_reason)
         return self.status.finished

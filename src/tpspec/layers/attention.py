@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpspec.config import EngineConfig
 from tpspec.layers import cpu_kernels
 
 
@@ -30,6 +31,16 @@ def kv_cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torc
     if model_dtype == torch.float16 and torch.device(device).type == "cpu":
         return torch.float32
     return model_dtype
+
+
+def num_kv_blocks(config: EngineConfig, device: torch.device) -> int:
+    """Blocks that fit the KV budget, computed from the whole model so every rank agrees."""
+    if config.cache.num_gpu_blocks is not None:
+        return config.cache.num_gpu_blocks
+    a = config.arch
+    elem = kv_cache_dtype(getattr(torch, config.dtype), device).itemsize
+    per_block = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * config.cache.block_size * elem
+    return max(1, int(config.cache.kv_cache_memory_gb * (1 << 30)) // per_block)
 
 
 def allocate_kv_cache(

@@ -13,7 +13,7 @@ from torch import nn
 
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
-from tpspec.layers.linear import PackedCPUWeight
+from tpspec.layers.cpu_weights import PackedCPUWeight
 from tpspec.layers.partition import pad_vocab
 
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from tpspec.config import ModelArchConfig, read_config_json
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size
-from tpspec.layers.linear import ReplicatedLinear, linear
+from tpspec.layers.cpu_weights import linear
+from tpspec.layers.linear import ReplicatedLinear
 from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
 from tpspec.layers.rotary import RotaryEmbedding

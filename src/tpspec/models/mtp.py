@@ -1,5 +1,5 @@
 """Multi-token prediction (MTP) modules in the DeepSeek-V3 checkpoint layout that vLLM reads
-(``method: "mtp"``), for targets built of Llama-style decoder layers (Llama, Qwen3).
+(``method: mtp``), for targets built of Llama-style decoder layers (Llama, Qwen3).
 
 The checkpoint is the target's ``config.json`` plus ``num_nextn_predict_layers``, with MTP module i
 at ``model.layers.{num_hidden_layers + i}``: ``enorm``, ``hnorm`` (RMSNorms), ``eh_proj`` (2H → H,

@@ -36,7 +36,7 @@ _TOP_P_CANDIDATES = (256, 4096, 2**62)
 _INT64_MIN = -(2**63)
 
 
-def _to_int64(seed: int) -> int:
+def to_int64(seed: int) -> int:
     """Any Python int, reduced modulo 2^64 into the int64 range."""
     return (seed - _INT64_MIN) % 2**64 + _INT64_MIN
 
@@ -72,6 +72,24 @@ class SamplingMetadata:
         if self.max_num_logprobs is not None and self.max_num_logprobs < 0:
             raise ValueError(f"max_num_logprobs must be None or >= 0, got {self.max_num_logprobs}")
 
+    def select(
+        self, rows: torch.Tensor, positions: torch.Tensor | None = None, random_only: bool = False
+    ) -> "SamplingMetadata":
+        """Rows ``rows`` ([n] int64, repeats allowed) as their own metadata, drawing at
+        ``positions`` ([n] int64; default: their own), without logprobs. The batch-wide flags are
+        kept (they hold for any subset; a subset of a mixed batch takes the mixed path), unless
+        ``random_only`` says every selected row is random (temperature > 0)."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, rows)
+
+        return SamplingMetadata(
+            temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
+            min_p=pick(self.min_p), seeds=pick(self.seeds),
+            positions=pick(self.positions) if positions is None else positions,
+            max_num_logprobs=None, all_greedy=self.all_greedy and not random_only,
+            all_random=self.all_random or random_only, no_top_k_top_p_min_p=self.no_top_k_top_p_min_p,
+        )
+
     @classmethod
     def from_params(
         cls,
@@ -96,7 +114,7 @@ class SamplingMetadata:
             top_k=tensor([p.top_k for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([_to_int64(s) for s in seeds], torch.int64),
+            seeds=tensor([to_int64(s) for s in seeds], torch.int64),
             positions=tensor(list(positions), torch.int64),
             max_num_logprobs=max(requested) if requested else None,
             all_greedy=all(p.is_greedy for p in params),
@@ -290,6 +308,7 @@ class Sampler:
         self,
         logits: torch.Tensor,  # [rows, vocab_size] float, padding removed
         metadata: SamplingMetadata,
+        with_logprobs: bool = True,  # False: no logprobs, whatever metadata.max_num_logprobs says
     ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
             raise ValueError(
@@ -303,12 +322,12 @@ class Sampler:
             sampled = logits.argmax(dim=-1)  # first maximum: lowest id on ties
             if not metadata.all_greedy:
                 rows = torch.nonzero(metadata.temperature > 0).squeeze(-1)
-                sub = select_rows(metadata, rows)
+                sub = metadata.select(rows, random_only=True)
                 random_ids = self._sample_random(logits.index_select(0, rows), sub)
                 sampled = sampled.index_copy(0, rows, random_ids)
 
         logprobs = None
-        if metadata.max_num_logprobs is not None:
+        if with_logprobs and metadata.max_num_logprobs is not None:
             logprobs = logprobs_of(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
@@ -321,25 +340,3 @@ class Sampler:
         token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
         noise = gumbel(metadata.seeds, metadata.positions, token_ids, SAMPLE)
         return noise.add_(scaled).argmax(dim=-1)
-
-
-def select_rows(
-    metadata: SamplingMetadata,
-    rows: torch.Tensor,  # [n] int64, indices of random rows
-) -> SamplingMetadata:
-    """The given rows, all random (temperature > 0), as their own metadata (no logprobs)."""
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, rows)
-
-    return SamplingMetadata(
-        temperature=pick(metadata.temperature),
-        top_k=pick(metadata.top_k),
-        top_p=pick(metadata.top_p),
-        min_p=pick(metadata.min_p),
-        seeds=pick(metadata.seeds),
-        positions=pick(metadata.positions),
-        max_num_logprobs=None,
-        all_greedy=False,
-        all_random=True,
-        no_top_k_top_p_min_p=metadata.no_top_k_top_p_min_p,
-    )

@@ -35,7 +35,6 @@ from tpspec.sample.sampler import (
     SampledLogprobs,
     SamplingMetadata,
     order_key,
-    select_rows,
     top_n,
     top_p_threshold,
 )
@@ -347,7 +346,7 @@ def sample(shard: LogitsShard, metadata: SamplingMetadata, site: str) -> torch.T
         values = gumbel(metadata.seeds, metadata.positions, shard.token_ids(), SAMPLE).add_(proc.logits)
     elif not metadata.all_greedy:
         rows = torch.nonzero(metadata.temperature > 0).squeeze(-1)
-        sub = select_rows(metadata, rows)
+        sub = metadata.select(rows, random_only=True)
         proc, _ = processed(shard.select(rows), sub, site)
         values = values.index_copy(0, rows, gumbel(sub.seeds, sub.positions, shard.token_ids(), SAMPLE).add_(proc.logits))
     return argmax(shard.replace(values), site)

@@ -16,30 +16,27 @@ Request ids, request logs and error counters: ``middleware``; ``tpspec serve`` a
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tpspec
-from tpspec.distributed.executor import EngineDeadError
+from tpspec.executor.executor import EngineDeadError
 from tpspec.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
 from tpspec.engine.outputs import RequestOutput
-from tpspec.sampling_params import SamplingParams
+from tpspec.engine.prompt_checks import PromptError, check_prompt
+from tpspec.sampling_params import SamplingParams, default_of
 from tpspec.server.limits import ServerLimits
 from tpspec.server.metrics import CONTENT_TYPE, ServerMetrics
-from tpspec.server.middleware import APIKeyMiddleware, RequestContextMiddleware, error_kind, record_error
+from tpspec.server.middleware import APIKeyMiddleware, RequestContextMiddleware, record_error
+from tpspec.server.streaming import RequestTimer, collect_final, sse_events, sse_response
 from tpspec.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -57,42 +54,9 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
 def _error_response(request: Request, err: APIError) -> JSONResponse:
     record_error(request.scope.get("state", {}), err.status_code, err.code)
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
-
-
-class _RequestTimer:
-    """Arrival, first token and end of one request, for the latency histograms and the request log."""
-
-    def __init__(self, metrics: ServerMetrics, log: dict) -> None:
-        self.metrics = metrics
-        self.log = log
-        self.arrival = time.monotonic()
-        self.first_token: float | None = None
-        self.done = False
-
-    def on_output(self, out: RequestOutput) -> None:
-        if self.first_token is None and out.new_token_ids:
-            self.first_token = time.monotonic()
-        if out.finished and not self.done:
-            self.done = True
-            latency = time.monotonic() - self.arrival
-            ttft = None if self.first_token is None else self.first_token - self.arrival
-            c = out.outputs[0]
-            self.metrics.observe_request(ttft, latency, len(c.token_ids), c.finish_reason)
-            self.log.update(completion_tokens=len(c.token_ids), finish_reason=c.finish_reason)
-
-    def on_gone(self, reason: str = "abort") -> None:
-        """The request ended without a finished output (client gone, engine error, deadline)."""
-        if not self.done:
-            self.done = True
-            self.metrics.request_success.labels(self.metrics.model_name, reason).inc()
-            self.log["finish_reason"] = reason
 
 
 class OpenAIServer:
@@ -124,15 +88,9 @@ class OpenAIServer:
         if not self.engine.is_healthy:
             raise APIError("The engine is not running (it died or is shutting down).", 503, code="engine_dead")
 
-    def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int,
-                           param: str, prompt_param: str) -> int | None:
+    def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, param: str) -> int | None:
+        """The request's max_tokens within the context the prompt leaves (``check_prompt`` made sure it leaves some)."""
         limit = self.engine.max_model_len
-        if prompt_len >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
-                param=prompt_param, code="context_length_exceeded",
-            )
         room = limit - prompt_len
         if requested is None:
             return None if default is None else min(default, room)
@@ -151,17 +109,17 @@ class OpenAIServer:
             raise APIError(f"{param} must be at least 1, got {value}", param=param, code="invalid_value")
 
     def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids, checked as the engine checks them (``engine.prompt_checks``)."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:  # JSON may spell a lone surrogate (\ud800); no tokenizer takes one
                 raise APIError(f"{param} is not valid Unicode text: it holds an unpaired surrogate", param=param) from None
-            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise APIError(f"{param} is empty: it must contain at least one token", param=param)
-        return ids
+            prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        try:
+            return check_prompt(prompt, self.engine.vocab_size, self.engine.max_model_len, param)
+        except PromptError as e:
+            raise APIError(str(e), param=e.param, code=e.code) from None
 
     async def start(self, ids: list[int], params: SamplingParams, request_id: str, request: Request) -> RequestStream:
         self.check_engine()
@@ -218,15 +176,15 @@ class OpenAIServer:
         self.check_model(req.model)
         self.check_max_tokens_sign(req.max_tokens, "max_tokens")
         self.limits.check_stops(req.stop, req.stop_token_ids)
-        requested, default = self.limits.cap_output(req.max_tokens, 16, "max_tokens")
+        requested, default = self.limits.cap_output(req.max_tokens, default_of("max_tokens"), "max_tokens")
         prompt = req.single_prompt()
         params = req.to_sampling_params(requested)
         ids = self.tokenize(prompt, "prompt")
         self.limits.check_prompt(len(ids), "prompt")
-        max_tokens = self.resolve_max_tokens(requested, default, len(ids), "max_tokens", "prompt")
+        max_tokens = self.resolve_max_tokens(requested, default, len(ids), "max_tokens")
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("cmpl")
-        timer = _RequestTimer(self.metrics, request.state.log)
+        timer = RequestTimer(self.metrics, request.state.log)
         stream = await self.start(ids, params, request_id, request)
         base = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         want_logprobs = params.logprobs is not None
@@ -243,9 +201,9 @@ class OpenAIServer:
                     text_offset += sum(len(t) for t in lp["tokens"])
                 return {"index": 0, "text": out.new_text, "logprobs": lp}
 
-            return _sse(request, _events(stream, timer, deadline, base, req, want_logprobs, choice))
+            return sse_response(request, sse_events(stream, timer, deadline, base, req, want_logprobs, choice))
 
-        final = await _collect(request, stream, timer, deadline)
+        final = await collect_final(request, stream, timer, deadline)
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
@@ -271,10 +229,10 @@ class OpenAIServer:
             raise APIError(str(e), param="messages") from None
         ids = self.tokenize(text, "messages", add_special_tokens=False)
         self.limits.check_prompt(len(ids), "messages")
-        max_tokens = self.resolve_max_tokens(requested, default, len(ids), param, "messages")
+        max_tokens = self.resolve_max_tokens(requested, default, len(ids), param)
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("chatcmpl")
-        timer = _RequestTimer(self.metrics, request.state.log)
+        timer = RequestTimer(self.metrics, request.state.log)
         stream = await self.start(ids, params, request_id, request)
         base = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         top_n = req.top_logprobs or 0
@@ -292,9 +250,9 @@ class OpenAIServer:
                 delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
                 return {"index": 0, "delta": delta, "logprobs": lp}
 
-            return _sse(request, _events(stream, timer, deadline, base, req, want_logprobs, choice, first))
+            return sse_response(request, sse_events(stream, timer, deadline, base, req, want_logprobs, choice, first))
 
-        final = await _collect(request, stream, timer, deadline)
+        final = await collect_final(request, stream, timer, deadline)
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
@@ -326,137 +284,6 @@ def _validate(model_cls, body: Any):
     if req.model_extra:
         logger.debug("ignoring unsupported request fields %s", sorted(req.model_extra))
     return req
-
-
-async def _iterate(stream: RequestStream, timer: _RequestTimer, deadline: float | None) -> AsyncIterator[RequestOutput]:
-    """The request's outputs, with timing; closing early (client gone) or the deadline passing
-    aborts the request. An ``APIError`` raised here is the request's answer (deadline, shutdown)."""
-    expiry = None
-    if deadline is not None:
-        timeout = APIError("The request did not finish within this server's request timeout (--request-timeout).",
-                           504, code="request_timeout")
-        expiry = asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0.0), stream.fail, timeout)
-    try:
-        async for out in stream:
-            timer.on_output(out)
-            yield out
-    except EngineDeadError:
-        timer.on_gone("error")
-        raise
-    except APIError as e:
-        timer.on_gone("timeout" if e.code == "request_timeout" else "error")
-        raise
-    finally:
-        if expiry is not None:
-            expiry.cancel()
-        stream.close()
-        timer.on_gone("abort")
-
-
-def _failure(error: BaseException) -> APIError:
-    """The answer to a request whose generation failed after it was accepted."""
-    if isinstance(error, APIError):
-        return error
-    return APIError("The engine died while generating this response.", 503, code="engine_dead")
-
-
-async def _events(
-    stream: RequestStream,
-    timer: _RequestTimer,
-    deadline: float | None,
-    base: dict,
-    req: CompletionRequest | ChatCompletionRequest,
-    want_logprobs: bool,
-    choice: Callable[[RequestOutput], dict],
-    first_choice: dict | None = None,
-) -> AsyncIterator[str]:
-    """SSE events of one streamed request: a chunk per output that carries text (or logprobs),
-    the finish reason on the last one, then the usage chunk if asked for."""
-
-    def chunk(choices: list[dict], usage_value: dict | None) -> str:
-        body = dict(base, choices=choices)
-        if req.include_usage or req.continuous_usage:
-            body["usage"] = usage_value
-        return f"data: {_json(body)}\n\n"
-
-    if first_choice is not None:
-        yield chunk([first_choice], None)
-    async for out in _iterate(stream, timer, deadline):
-        if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
-            continue
-        c = out.outputs[0]
-        counts = usage(len(out.prompt_token_ids), len(c.token_ids))
-        ch = choice(out)
-        ch["finish_reason"] = c.finish_reason if out.finished else None
-        ch["stop_reason"] = c.stop_reason if out.finished else None
-        yield chunk([ch], counts if req.continuous_usage else None)
-        if out.finished and req.include_usage:
-            yield chunk([], counts)
-
-
-def _sse(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
-    log = request.state.log
-    log["stream"] = True
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        except (EngineDeadError, APIError) as e:
-            err = _failure(e)
-            logger.warning("stream of request %s ended early: %s", request.state.request_id, err.code)
-            log["error"] = error_kind(err.status_code, err.code)
-            yield f"data: {_json(err.body())}\n\n"
-        except Exception:  # a bug: the traceback goes to the log, the client gets a clean end
-            logger.exception("stream of request %s failed", request.state.request_id)
-            log["error"] = "internal_error"
-            yield f"data: {_json(APIError('Internal server error.', 500, code='internal_error').body())}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _collect(request: Request, stream: RequestStream, timer: _RequestTimer,
-                   deadline: float | None) -> RequestOutput | None:
-    """Wait for the final output; None (request aborted) if the client disconnects first."""
-
-    async def run() -> RequestOutput | None:
-        final = None
-        async for out in _iterate(stream, timer, deadline):
-            final = out
-        return final
-
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    task = asyncio.ensure_future(run())
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled
-        watcher.cancel()
-        stream.close()
-        task.cancel()
-        raise
-    watcher.cancel()
-    if not task.done():  # the client is gone: abort
-        stream.close()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        logger.info("client disconnected; aborted request %s", stream.request_id)
-        request.state.log["error"] = error_kind(499)
-        return None
-    try:
-        final = task.result()
-    except (EngineDeadError, APIError) as e:
-        raise _failure(e) from None
-    if final is None:
-        raise APIError("The request ended without output.", 500)
-    return final
 
 
 def build_app(

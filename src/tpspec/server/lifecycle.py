@@ -119,15 +119,18 @@ def serve(engine: AsyncEngine, config: uvicorn.Config, grace_s: float, descripti
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     """Build the engine (on its own thread), then serve until SIGINT/SIGTERM or engine death;
     returns the exit status (``lifecycle``). With ``--headless``: run one of the other nodes of a
-    multi-node engine instead (``distributed.node_agent``)."""
+    multi-node engine instead (``executor.node_agent``)."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice and differently: {args.model_tag!r} and --model {args.model!r}")
         engine_args["model"] = args.model_tag
-    if args.headless:
-        from tpspec.distributed.node_agent import run_headless
+    if args.headless:  # this node's configuration from the engine flags, checked as the head checks its own
+        from tpspec.engine.engine_args import EngineArgs, resolve_device
+        from tpspec.executor.node_agent import run_node
 
-        return run_headless(engine_args)
+        node_args = EngineArgs(**engine_args)
+        device_kind = resolve_device(node_args.device)
+        return run_node(node_args.create_engine_config(device_kind), device_kind)
     if args.trust_remote_code:
         logger.info("--trust-remote-code has no effect: tpspec runs no code from model folders")
     if args.gpu_memory_utilization is not None:

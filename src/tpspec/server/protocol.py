@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tpspec.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpspec.sampling_params import MAX_LOGPROBS, SamplingParams, default_of
 
 
 class APIError(Exception):
@@ -129,18 +129,17 @@ class _SamplingFields(_Base):
             raise APIError(f"top_k must be -1, 0 or in [1, {_INT64_MAX}], got {self.top_k}", param="top_k")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        # Fields the request leaves out (null) take SamplingParams' defaults, which are vLLM's.
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        skip_special_tokens=self.skip_special_tokens)
         kwargs: dict[str, Any] = dict(
+            {k: v for k, v in optional.items() if v is not None},
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
-            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
         try:
@@ -161,7 +160,7 @@ class _SamplingFields(_Base):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = default_of("max_tokens")  # the OpenAI API's 16
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None

@@ -12,8 +12,8 @@ that feeds draft j with the previous row's pre-norm output in place of the targe
 The k − 1 chained rows sit at positions n … n + k − 2, inside the k lookahead slots the scheduler
 reserves.
 
-A sequence that proposes no drafts this step (k = 0) puts its refeed off: its rows wait on the
-rank (``DeferredRows``, at most ``max_deferred_tokens``) and are fed in one batch with the step
+A sequence that proposes no drafts this step (k = 0) puts its refeed off: its rows wait in its
+``DraftState`` (``DeferredRows``, at most ``max_deferred_tokens``) and are fed in one batch with the step
 in which it proposes again, so steps without speculation cost the head nothing, and its KV is
 complete whenever it drafts.
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tpspec.layers.attention import AttentionMetadata
-from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftState
 
 
 @dataclass
@@ -90,21 +90,18 @@ class ChainHeadProposer(DraftModelSpeculator):
         self.dummy_sample(self._dummy_run(hidden, 1))
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput) -> DraftOutput:
-        drafts: list[list[int]] = [[] for _ in inp.token_ids]
-        dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
+    def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
         # 1. Refeed: row t = (features at t, token t + 1) at position t, for every kept t whose next
         # token is known, of the proposing sequences (with what they deferred) and of partial
         # prefill chunks; the other sequences defer theirs.
         ids, positions, feature_chunks, fed, lens = [], [], [], [], []
-        deferred: list[DeferredRows | None] = [None] * len(inp.token_ids)
         offset = 0
         for i, tokens in enumerate(inp.token_ids):
             n = len(tokens) - 1  # rows with a known next token
             features = inp.target_features[offset : offset + n]  # [n, F]
             offset += inp.num_context(i)
             rows = DeferredRows(tokens[1:], list(range(inp.start_pos[i], inp.start_pos[i] + n)), [features])
-            backlog = inp.deferred[i] if inp.deferred is not None else None
+            backlog, states[i].deferred = states[i].deferred, None
             if backlog is not None:  # extended in place: a step adds its rows, nothing is copied again
                 backlog.ids += rows.ids
                 backlog.positions += rows.positions
@@ -113,7 +110,7 @@ class ChainHeadProposer(DraftModelSpeculator):
             # A partial prefill chunk feeds now: its next chunk starts a row later (see above).
             if inp.num_drafts[i] == 0 and inp.sampled[i] and len(rows.positions) <= self.max_deferred_tokens:
                 rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive
-                deferred[i] = rows if rows.positions else None
+                states[i].deferred = rows if rows.positions else None
                 continue
             if rows.positions:
                 ids += rows.ids
@@ -122,12 +119,12 @@ class ChainHeadProposer(DraftModelSpeculator):
                 fed.append(i)
                 lens.append(len(rows.positions))
         if not fed:
-            return DraftOutput(drafts, dists, deferred, len(positions))
+            return len(positions)
         features = torch.cat(feature_chunks)  # [rows, F]
         normed, prenorm = self._run(ids, positions, self._hidden(features), lens, [inp.block_tables[i] for i in fed])
         rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
         if not rows:
-            return DraftOutput(drafts, dists, deferred, len(positions))
+            return len(positions)
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
         end_of = dict(zip(fed, ends))
         last = torch.tensor([end_of[i] for i in rows], device=self.device)
@@ -135,7 +132,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         # 2. Chain: draft j + 1 from a row at position n + j - 1 feeding draft j (n: the bonus token's position).
         pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
         if not any(num):
-            return DraftOutput(drafts, dists, deferred, len(positions))
+            return len(positions)
         drafting = [r for r, n in enumerate(num) if n]
         carried = prenorm if len(drafting) == len(num) else prenorm[torch.tensor(drafting, device=self.device)]
 
@@ -151,5 +148,5 @@ class ChainHeadProposer(DraftModelSpeculator):
 
         chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
-            drafts[i], dists[i] = chain[r], chain_dists[r]
-        return DraftOutput(drafts, dists, deferred, len(positions))
+            states[i].draft_ids, states[i].draft_dists = chain[r], chain_dists[r]
+        return len(positions)

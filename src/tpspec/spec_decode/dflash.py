@@ -2,8 +2,8 @@
 
 Per step, the target features of the tokens each sequence just kept are turned into context K/V
 in the drafter's paged KV cache (same block tables as the target). A sequence that proposes no
-drafts this step (k = 0) puts that off: its features wait on the rank (``DeferredContext``, at
-most ``max_deferred_tokens``) and are written in one batch with the step in which it proposes
+drafts this step (k = 0) puts that off: its features wait in its ``DraftState``
+(``DeferredContext``, at most ``max_deferred_tokens``) and are written in one batch with the step in which it proposes
 again, so steps without speculation cost the drafter nothing, and the invariant "draft KV valid
 below the target's computed tokens" holds whenever a block is drafted. Each proposing sequence
 then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the scheduler reserves
@@ -18,11 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
+from tpspec.config import ModelArchConfig, SpeculativeConfig
 from tpspec.distributed.parallel_state import get_tp_rank, single_rank
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.dflash import DFlashConfig, DFlashDraftModel
 from tpspec.models.loader.safetensors import iterate_weights
-from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput, sampling_rows
+from tpspec.spec_decode.speculator import (
+    DraftInput,
+    DrafterInfo,
+    DraftModelSpeculator,
+    DraftState,
+    check_local_argmax_reduction,
+)
 
 
 @dataclass
@@ -44,6 +51,15 @@ class DFlashSpeculator(DraftModelSpeculator):
         super().__init__(spec_config, engine_config, device)
         self.dflash_config = DFlashConfig.from_folder(spec_config.model)
         self.capture_layers = self.dflash_config.target_layer_ids
+
+    @classmethod
+    def inspect_drafter(cls, spec: SpeculativeConfig, target: ModelArchConfig) -> DrafterInfo:
+        """One forward yields block_size − 1 drafts: what it was trained for, and the most it drafts."""
+        dflash = DFlashConfig.from_folder(spec.model)
+        trained = dflash.block_size - 1
+        dflash.validate(target, trained if spec.num_speculative_tokens is None else spec.num_speculative_tokens)
+        check_local_argmax_reduction(spec, DFlashDraftModel)
+        return DrafterInfo(dflash.arch, trained)
 
     def _tp_context(self):
         """With draft_tensor_parallel_size=1 the draft layers are replicated (built and run as TP 1);
@@ -79,14 +95,11 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.dummy_sample(hidden)
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput) -> DraftOutput:
+    def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
         bs = self.engine_config.cache.block_size
-        drafts: list[list[int]] = [[] for _ in inp.token_ids]
-        dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
         # 1. Context K/V of every kept token of the proposing sequences (with what they deferred);
         # the others defer theirs.
         ctx_features, ctx_pos, ctx_slots = [], [], []
-        deferred: list[DeferredContext | None] = [None] * len(inp.token_ids)
         offset = 0
         for i in range(len(inp.token_ids)):
             n = inp.num_context(i)
@@ -94,7 +107,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             offset += n
             pos = list(range(inp.start_pos[i], inp.start_pos[i] + n))
             slots = slots_of(pos, inp.block_tables[i], bs)
-            backlog = inp.deferred[i] if inp.deferred is not None else None
+            backlog, states[i].deferred = states[i].deferred, None
             chunks = [features]
             if backlog is not None:  # extended in place: a step adds its rows, nothing is copied again
                 backlog.positions += pos
@@ -102,7 +115,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                 chunks, pos, slots = backlog.features + chunks, backlog.positions, backlog.slots
             if inp.num_drafts[i] == 0 and len(pos) <= self.max_deferred_tokens:
                 chunks[-1] = features.clone()  # a view would keep the step's captured hidden states alive
-                deferred[i] = DeferredContext(chunks, pos, slots) if pos else None
+                states[i].deferred = DeferredContext(chunks, pos, slots) if pos else None
                 continue
             ctx_features += chunks
             ctx_pos += pos
@@ -128,7 +141,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                 starts.append(start)
                 lens.append(length)
         if not rows:
-            return DraftOutput(drafts, dists, deferred, len(ctx_pos))
+            return len(ctx_pos)
         mask = self.dflash_config.mask_token_id
         block_ids = [t for i, n in zip(rows, lens) for t in [inp.token_ids[i][-1]] + [mask] * (n - 1)]
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
@@ -144,15 +157,17 @@ class DFlashSpeculator(DraftModelSpeculator):
         if inp.sampling is not None:
             which = [r for r, n in enumerate(lens) for _ in range(n - 1)]  # proposing row of each draft row
             proposing = {i: r for r, i in enumerate(inp.proposing)}
-            sampling = sampling_rows(inp.sampling, [proposing[rows[r]] for r in which],
-                                     [s + j for s, n in zip(starts, lens) for j in range(1, n)])
+            device = inp.sampling.seeds.device
+            sampling = inp.sampling.select(torch.tensor([proposing[rows[r]] for r in which], device=device),
+                                           torch.tensor([s + j for s, n in zip(starts, lens) for j in range(1, n)],
+                                                        device=device))
         sample = self.sample_draft(hidden[torch.tensor(draft_rows, device=self.device)], sampling)
         tokens = sample.token_ids.tolist()
         o = 0
         for i, n in zip(rows, lens):
-            drafts[i] = tokens[o : o + n - 1]
+            states[i].draft_ids = tokens[o : o + n - 1]
             if sample.dists is not None:
-                dists[i] = sample.dists[o : o + n - 1]  # [n − 1, vocab_size]
+                states[i].draft_dists = sample.dists[o : o + n - 1]  # [n − 1, vocab_size]
             o += n - 1
-        return DraftOutput(drafts, dists, deferred, len(ctx_pos))
+        return len(ctx_pos)
 

@@ -6,15 +6,27 @@ from __future__ import annotations
 import contextlib
 import torch
 
-from tpspec.config import ModelArchConfig
+from tpspec.config import ModelArchConfig, SpeculativeConfig
 from tpspec.distributed.parallel_state import get_tp_rank, single_rank
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
-from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, DraftOutput
+from tpspec.spec_decode.speculator import (
+    DraftInput,
+    DrafterInfo,
+    DraftModelSpeculator,
+    DraftState,
+    check_local_argmax_reduction,
+)
 
 
 class DraftModelProposer(DraftModelSpeculator):
+    @classmethod
+    def inspect_drafter(cls, spec: SpeculativeConfig, target: ModelArchConfig) -> DrafterInfo:
+        arch = ModelArchConfig.from_folder(spec.model)
+        check_local_argmax_reduction(spec, get_model_class(arch.architecture))
+        return DrafterInfo(arch)
+
     @property
     def replicated_lm_head(self) -> bool:
         """A replicated draft model is replicated whole, its LM head included."""
@@ -63,24 +75,22 @@ class DraftModelProposer(DraftModelSpeculator):
             self.dummy_sample(hidden)
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput) -> DraftOutput:
+    def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
         rows = inp.proposing
-        drafts: list[list[int]] = [[] for _ in inp.token_ids]
-        dists: list[torch.Tensor | None] = [None for _ in inp.token_ids]
         fed = sum(len(t) for t in inp.token_ids)
         with self._tp_context():
             last_hidden = self._forward(inp.token_ids, inp.start_pos, inp.block_tables)
             if not rows:
-                return DraftOutput(drafts, dists, num_fed_rows=fed)
+                return fed
             hidden = last_hidden[torch.tensor(rows, device=self.device)]
             pos, tables, num = self.chain_rows(inp, rows)  # position of draft 1, block table, drafts per row
             if not any(num):
-                return DraftOutput(drafts, dists, num_fed_rows=fed)
+                return fed
 
             def advance(active: list[int], keep: list[int], tokens: list[int], j: int) -> torch.Tensor:
                 return self._forward([[t] for t in tokens], [pos[r] + j for r in active], [tables[r] for r in active])
 
             chain, chain_dists = self.draft_chain(hidden, num, pos, inp.sampling, advance)
         for r, i in enumerate(rows):
-            drafts[i], dists[i] = chain[r], chain_dists[r]
-        return DraftOutput(drafts, dists, num_fed_rows=fed)
+            states[i].draft_ids, states[i].draft_dists = chain[r], chain_dists[r]
+        return fed

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from tpspec.config import ModelArchConfig, SpeculativeConfig
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
 from tpspec.models.loader.safetensors import iterate_weights, weight_names
 from tpspec.spec_decode.chain_head import ChainHeadProposer
-from tpspec.spec_decode.speculator import DRAFT_SAMPLE_SITE
+from tpspec.spec_decode.speculator import DRAFT_SAMPLE_SITE, DrafterInfo, check_local_argmax_reduction
 
 
 def ships_embedding(folder: str) -> bool:
@@ -19,6 +20,13 @@ def ships_embedding(folder: str) -> bool:
 
 
 class Eagle3Proposer(ChainHeadProposer):
+    @classmethod
+    def inspect_drafter(cls, spec: SpeculativeConfig, target: ModelArchConfig) -> DrafterInfo:
+        eagle = Eagle3Config.from_folder(spec.model)
+        eagle.validate(target, ships_embedding(spec.model))
+        check_local_argmax_reduction(spec, Eagle3LlamaForCausalLM)
+        return DrafterInfo(eagle.arch)
+
     def __init__(self, spec_config, engine_config, device):
         super().__init__(spec_config, engine_config, device)
         self.eagle_config = Eagle3Config.from_folder(spec_config.model)

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import torch
 
+from tpspec.config import ModelArchConfig, SpeculativeConfig
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.models.loader.safetensors import iterate_weights, weight_names
 from tpspec.models.mtp import MTPConfig, MTPModel, ships_lm_head
 from tpspec.spec_decode.chain_head import ChainHeadProposer
-from tpspec.spec_decode.speculator import FINAL_HIDDEN
+from tpspec.spec_decode.speculator import FINAL_HIDDEN, DrafterInfo, check_local_argmax_reduction
 
 
 class MTPProposer(ChainHeadProposer):
     capture_layers = (FINAL_HIDDEN,)
+
+    @classmethod
+    def inspect_drafter(cls, spec: SpeculativeConfig, target: ModelArchConfig) -> DrafterInfo:
+        mtp = MTPConfig.from_folder(spec.model)
+        mtp.validate(target)
+        check_local_argmax_reduction(spec, MTPModel)
+        return DrafterInfo(mtp.arch)
 
     def __init__(self, spec_config, engine_config, device):
         super().__init__(spec_config, engine_config, device)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tpspec.spec_decode.speculator import DraftInput, DraftState, Speculator
+
 
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,3 +68,19 @@ class NgramProposer:
                 start = int(ends[hits[0]]) + 1  # newest occurrence: ends are sorted newest first
                 return tokens[start:start + num_tokens].tolist()
         return []
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup on every rank, from each rank's copy of the request's tokens: no model, no
+    KV, nothing to feed; proposing is free (the methods table's ``LOOKUP`` drafting)."""
+
+    def __init__(self, spec_config, engine_config, device):
+        super().__init__(spec_config, engine_config, device)
+        self.proposer = NgramProposer(
+            spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, spec_config.num_speculative_tokens
+        )
+
+    def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
+        for i in inp.proposing:
+            states[i].draft_ids = self.proposer.propose(inp.all_token_ids(i), inp.num_drafts[i])
+        return 0

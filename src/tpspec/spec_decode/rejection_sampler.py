@@ -38,7 +38,7 @@ import torch
 
 from tpspec.sample.gumbel import ACCEPT, RESIDUAL, SAMPLE, gumbel, uniform
 from tpspec.sample.mass import masses, probs
-from tpspec.sample.sampler import SamplingMetadata, processed_logits, select_rows
+from tpspec.sample.sampler import SamplingMetadata, processed_logits
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class RejectionSampler:
             recovered[g] = top
         if r.numel():
             r_rows, d = rows[r], drafts[r]
-            proc = processed_logits(target_logits.index_select(0, r_rows).float(), select_rows(metadata, r_rows))
+            proc = processed_logits(target_logits.index_select(0, r_rows).float(), metadata.select(r_rows, random_only=True))
             row_max = proc.amax(dim=-1)  # [n]
             total = masses(proc, row_max).sum(dim=-1)  # [n] int64
             p_d = probs(proc.gather(-1, d.unsqueeze(-1)), row_max, total).squeeze(-1)  # [n]
@@ -224,7 +224,7 @@ class RejectionSampler:
         r = torch.nonzero(metadata.temperature.index_select(0, rows) > 0).squeeze(-1)
         if r.numel():
             r_rows = rows[r]
-            proc = processed_logits(logits.index_select(0, r), select_rows(metadata, r_rows))
+            proc = processed_logits(logits.index_select(0, r), metadata.select(r_rows, random_only=True))
             token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
             noise = gumbel(metadata.seeds[r_rows], metadata.positions[r_rows], token_ids, SAMPLE)
             out[r] = noise.add_(proc).argmax(dim=-1)

@@ -1,5 +1,5 @@
 """Resolve a speculative config's draft checkpoint and check it against the target, before any
-worker starts (a bad drafter fails fast, in the caller's process, with a ValueError)."""
+worker starts (a bad drafter or flag fails fast, in the caller's process, with a ValueError)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import dataclasses
 import os
 
 from tpspec.config import ModelArchConfig, SpeculativeConfig
-from tpspec.models.dflash import DFlashConfig
-from tpspec.models.eagle3 import Eagle3Config
+from tpspec.config.speculative_methods import SpeculativeMethod
 from tpspec.models.loader.resolve import resolve_model
-from tpspec.models.mtp import MTPConfig
-from tpspec.models.registry import get_model_class
+
+DRAFTERS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafters")
 
 
 def _is_default_model(folder: str) -> bool:
@@ -22,48 +21,57 @@ def _is_default_model(folder: str) -> bool:
     return os.path.realpath(default) == os.path.realpath(folder)
 
 
+def shipped_drafter(method: SpeculativeMethod, target: str | None) -> str:
+    """The folder of ``method``'s drafter shipped for ``target`` (a key of its ``shipped_drafters``)."""
+    folder = os.path.join(DRAFTERS_DIR, method.shipped_drafters[target])
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        raise FileNotFoundError(f"the shipped {method.name} drafter is missing from {folder}")
+    return folder
+
+
+def is_shipped_drafter(folder: str | None) -> bool:
+    """Whether ``folder`` is one of the drafters shipped in ``tpspec/drafters``."""
+    return folder is not None and os.path.dirname(os.path.realpath(folder)) == os.path.realpath(DRAFTERS_DIR)
+
+
+def _drafter_folder(spec: SpeculativeConfig, target_folder: str, target_name: str | None) -> str:
+    """The draft checkpoint's folder: the config's, else the drafter shipped for the target, else
+    (a method whose drafter the target's checkpoint holds) the target's own."""
+    if spec.model is not None:
+        return resolve_model(spec.model)
+    method = spec.method_spec
+    shipped = method.shipped_drafters
+    if target_name not in shipped and _is_default_model(target_folder):
+        target_name = None
+    if target_name in shipped:
+        return shipped_drafter(method, target_name)
+    if method.model_from_target:
+        return target_folder
+    others = [f"--model {name}" for name in shipped if name is not None]
+    raise ValueError(
+        f"speculative_config.model is required for method {spec.method!r} unless the target is one that "
+        f"tpspec ships a {method.name} drafter for: " + " or ".join(["the default model"] + others)
+    )
+
+
 def resolve_drafter(
     spec: SpeculativeConfig, target_folder: str, target: ModelArchConfig, target_name: str | None
 ) -> tuple[SpeculativeConfig, ModelArchConfig | None]:
-    """Returns the config with ``model`` resolved to a folder, and the draft's shape (None for ngram).
-    ``target_name``: the target as the user named it (``--model``; None: the default model), which
-    picks the shipped drafter; a path to the default model picks the default's."""
-    if spec.method == "ngram":
-        return spec, None
-    if spec.model is None:  # only a method with shipped drafters, or mtp, may omit it (SpeculativeConfig checks)
-        from tpspec.spec_decode.shipped import shipped_drafter, shipped_targets
-
-        shipped = shipped_targets(spec.method)
-        if target_name not in shipped and _is_default_model(target_folder):
-            target_name = None
-        if target_name in shipped:
-            model = shipped_drafter(spec.method, target_name)
-        elif spec.method == "mtp":
-            model = target_folder  # the target's own MTP layers, as vLLM reads them
-        else:
-            others = [f"--model {name}" for name in shipped if name is not None]
+    """Returns the config with ``model`` resolved to a folder and ``num_speculative_tokens`` to a
+    number, and the draft's shape (None for a method with no model). ``target_name``: the target as
+    the user named it (``--model``; None: the default model), which picks the shipped drafter; a
+    path to the default model picks the default's. The drafter's checks (its checkpoint against
+    the target, ``use_local_argmax_reduction`` against its draft model) are the speculator
+    class's ``inspect_drafter``."""
+    method = spec.method_spec
+    if method.uses_model:
+        spec = dataclasses.replace(spec, model=_drafter_folder(spec, target_folder, target_name))
+    drafter = method.speculator_class().inspect_drafter(spec, target)
+    if spec.num_speculative_tokens is None:
+        if drafter.num_speculative_tokens is None:
             raise ValueError(
-                f"speculative_config.model is required for method {spec.method!r} unless the target is one that "
-                f"tpspec ships a {spec.method} drafter for: " + " or ".join(["the default model"] + others)
+                f"speculative_config.num_speculative_tokens is required for method {spec.method!r}: "
+                f"its drafter does not say how many drafts it was trained for"
             )
-        spec = dataclasses.replace(spec, model=model)
-    else:
-        spec = dataclasses.replace(spec, model=resolve_model(spec.model))
-    if spec.method == "dflash":
-        dflash = DFlashConfig.from_folder(spec.model)
-        dflash.validate(target, spec.num_speculative_tokens)
-        return spec, dflash.arch
-    if spec.method == "mtp":
-        mtp = MTPConfig.from_folder(spec.model)
-        mtp.validate(target)
-        return spec, mtp.arch
-    if spec.method in ("eagle3", "eagle"):
-        from tpspec.spec_decode.eagle import ships_embedding
-
-        eagle = Eagle3Config.from_folder(spec.model)
-        eagle.validate(target, ships_embedding(spec.model))
-        return spec, eagle.arch
-    draft_arch = ModelArchConfig.from_folder(spec.model)
-    if spec.method == "draft_model":
-        get_model_class(draft_arch.architecture)
-    return spec, draft_arch
+        spec = dataclasses.replace(spec, num_speculative_tokens=drafter.num_speculative_tokens)
+    return spec, drafter.arch

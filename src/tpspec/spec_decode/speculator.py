@@ -1,6 +1,11 @@
-"""``DraftModelSpeculator``: the base class of every model-based drafter.
+"""``Speculator``, the rank-side object of a drafting method, and ``DraftModelSpeculator``, the
+base class of every model-based drafter.
 
-It owns the one place where draft tokens are picked. Greedy drafting with
+A speculator owns what it keeps per request between steps (``DraftState``: the drafts proposed
+for the next step, their draft distributions, the feed it put off), from ``add`` to ``forget``;
+the model runner hands it each step's verified tokens (``DraftInput``) and reads the drafts back.
+
+``DraftModelSpeculator`` owns the one place where draft tokens are picked. Greedy drafting with
 ``use_local_argmax_reduction`` asks the draft model for ``get_top_tokens`` (each rank reduces
 its vocab shard; only (value, id) pairs cross the wire, O(2·tp) per row); without the flag it
 all-gathers the full logits and takes the argmax (O(vocab) per row). Probabilistic drafting
@@ -13,16 +18,19 @@ run their model and call ``sample_draft``; they never sample by themselves.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tpspec.config import EngineConfig, SpeculativeConfig
+from tpspec.config import EngineConfig, ModelArchConfig, SpeculativeConfig
 from tpspec.distributed import comm
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.sample.sampler import SamplingMetadata
+from tpspec.layers.cpu_weights import pack_cpu_weights
 from tpspec.spec_decode.draft_sampling import sample_draft_full, sample_draft_shard
-from tpspec.spec_decode.step_time import profile_context
+from tpspec.spec_decode.drafter_rounding import round_drafter_to_q4_1
+from tpspec.spec_decode.resolve import is_shipped_drafter
+from tpspec.spec_decode.step_profile import profile_context
 
 DRAFT_SAMPLE_SITE = "draft.sample"
 # A capture id past the layers: the target's final-norm output, the hidden state its LM head reads
@@ -60,11 +68,10 @@ class DraftInput:
     ``token_ids[i][:-1]`` for a sampled sequence (its last token is the new bonus/recovered
     token, which the target has not run yet), all of ``token_ids[i]`` otherwise.
 
-    ``deferred[i]``: what the drafter put off for sequence i in earlier steps (its own
-    ``DraftOutput.deferred``, kept by the rank per request and dropped when the request restarts
-    from position 0), or None.
+    ``all_token_ids(i)``: every token of sequence i's request so far (a lookup drafter reads them).
     """
 
+    req_ids: list[str]
     token_ids: list[list[int]]
     start_pos: list[int]
     block_tables: list[list[int]]
@@ -72,10 +79,7 @@ class DraftInput:
     num_drafts: list[int]
     sampling: SamplingMetadata | None  # one row per sequence with num_drafts > 0 (probabilistic drafting)
     target_features: torch.Tensor | None = None  # [num_context_tokens, len(capture_layers)·hidden_size]
-    deferred: list[object | None] | None = None
-    # Rows the drafter fed this step (context K/V written, refed, or run through a draft model),
-    # deferred rows it caught up on included: what its time was spent on (``StepTimeModel.observe``).
-    num_fed_rows: int = 0
+    all_token_ids: Callable[[int], list[int]] | None = None
 
     def num_context(self, i: int) -> int:
         """How many of sequence i's tokens have target features."""
@@ -88,24 +92,124 @@ class DraftInput:
 
 
 @dataclass
-class DraftOutput:
-    drafts: list[list[int]]  # per sequence of the DraftInput (at most num_drafts[i]; [] where it is 0)
-    dists: list[torch.Tensor | None]  # per sequence: [k, vocab_size] (or [k, shard_size], see DraftSample) q, or None
-    # Per sequence: work put off until it next proposes (handed back in ``DraftInput.deferred``); None: none.
-    deferred: list[object | None] | None = None
-    # Rows the drafter fed this step (context K/V written, refed, or run through a draft model),
-    # deferred rows it caught up on included: what its time was spent on (``StepTimeModel.observe``).
-    num_fed_rows: int = 0
+class DraftState:
+    """What a speculator keeps for one request between steps."""
+
+    draft_ids: list[int] = field(default_factory=list)  # proposed for the request's next step
+    draft_dists: torch.Tensor | None = None  # [len(draft_ids), width] q of probabilistic drafts (see DraftSample)
+    # The drafter's work on the request's kept tokens put off until it next proposes (its own
+    # type: ``dflash.DeferredContext``, ``chain_head.DeferredRows``); None: none.
+    deferred: object | None = None
 
 
-class DraftModelSpeculator:
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What a speculator class reads from its draft checkpoint before any worker starts."""
+
+    arch: ModelArchConfig | None  # the draft's shape (None: no model)
+    num_speculative_tokens: int | None = None  # the drafts per step it was trained for, if it says
+
+
+class Speculator:
+    """The rank-side object of a drafting method (one row of ``config.speculative_methods``).
+
+    Subclasses implement ``_propose``; model-based ones derive from ``DraftModelSpeculator``."""
+
+    # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads, or
+    # FINAL_HIDDEN for the target's final-norm output.
+    capture_layers: tuple[int, ...] = ()
+    # Whether a probabilistic draft's q is kept as this rank's vocab columns rather than full width.
+    dists_sharded: bool = False
+    model = None  # the draft model, if any
+
+    def __init__(self, spec_config: SpeculativeConfig, engine_config: EngineConfig, device: torch.device):
+        self.spec_config = spec_config
+        self.engine_config = engine_config
+        self.device = device
+        self.num_speculative_tokens = spec_config.num_speculative_tokens
+        self.draft_sample_method = spec_config.draft_sample_method
+        self.states: dict[str, DraftState] = {}
+
+    @classmethod
+    def inspect_drafter(cls, spec: SpeculativeConfig, target: ModelArchConfig) -> DrafterInfo:
+        """Check the drafter (``spec.model``, resolved) and the flags against the target, in the
+        engine's process before any worker starts; raise ``ValueError`` on a mismatch."""
+        return DrafterInfo(None)
+
+    def load(self, target_model: torch.nn.Module, num_kv_slots: int) -> None:
+        """Build whatever the method runs on this rank (its KV cache gets ``num_kv_slots`` slots,
+        the target's count, so the target's block tables address it)."""
+
+    # ---- per-request state ------------------------------------------------------------------
+    def add(self, req_id: str) -> None:
+        self.states[req_id] = DraftState()
+
+    def forget(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    def restart(self, req_id: str) -> None:
+        """The request's KV starts over (recomputed from position 0 after a preemption): work put
+        off on its old slots is void, they may belong to another request by now."""
+        self.states[req_id].deferred = None
+
+    def drafts(self, req_id: str) -> list[int]:
+        """The drafts held for the request's next step."""
+        return self.states[req_id].draft_ids
+
+    def draft_dists(self, req_id: str) -> torch.Tensor | None:
+        """q of the held drafts ([len(drafts), width]; probabilistic drafting), or None."""
+        return self.states[req_id].draft_dists
+
+    # ---- proposing --------------------------------------------------------------------------
+    def propose(self, inp: DraftInput) -> int:
+        """Feed this step's kept tokens and hold ``inp.num_drafts[i]`` drafts (at most) for each
+        sequence's next step. Returns the rows the drafter fed (context K/V written, refed, or run
+        through a draft model), deferred rows it caught up on included: what its time was spent
+        on (``StepTimeModel.observe``)."""
+        states = [self.states[r] for r in inp.req_ids]
+        for state in states:
+            state.draft_ids, state.draft_dists = [], None
+        return self._propose(inp, states)
+
+    def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
+        """``propose`` for the sequences of ``inp``, whose states are ``states`` (drafts cleared)."""
+        raise NotImplementedError
+
+    # ---- profiling (engine.speculation.step_time) ------------------------------------------------
+    def dummy_feed(self, num_rows: int) -> None:
+        """The drafter's work for ``num_rows`` kept tokens that does not depend on k, on dummy
+        inputs in the first KV blocks (start-up, before any request owns one)."""
+
+    def dummy_pass(self, num_rows: int) -> None:
+        """One drafting pass over ``num_rows`` rows (forward, LM head, draft sampling), on dummy inputs."""
+
+
+def check_local_argmax_reduction(spec: SpeculativeConfig, model_class: type) -> None:
+    """``use_local_argmax_reduction`` against the draft model class (vLLM's check at model load):
+    greedy drafting needs ``get_top_tokens``; probabilistic drafting a ``compute_logits_shard``."""
+    if not spec.use_local_argmax_reduction:
+        return
+    if spec.draft_sample_method == "probabilistic":
+        # Sharded Gumbel-max needs the model's local logits shard; without it, the full q.
+        if not callable(getattr(model_class, "compute_logits_shard", None)):
+            raise ValueError(
+                "speculative_config.use_local_argmax_reduction=true only applies to greedy draft selection; "
+                "draft_sample_method='probabilistic' needs the full draft distribution "
+                f"({model_class.__name__} has no compute_logits_shard() for vocab-parallel drafting)"
+            )
+        return
+    if not callable(getattr(model_class, "get_top_tokens", None)):
+        raise ValueError(
+            f"speculative_config.use_local_argmax_reduction=true needs a draft model with get_top_tokens(); "
+            f"{model_class.__name__} has none"
+        )
+
+
+class DraftModelSpeculator(Speculator):
     # Kept tokens a drafter that defers its feed (DFlash, the chain heads) lets one sequence that
     # proposes nothing leave unfed (their target features wait on the rank, 4 · capture layers ·
     # hidden size bytes each); past this they are fed anyway.
     max_deferred_tokens: int = 256
-    # Target layer ids whose outputs (Hugging Face ``hidden_states[L + 1]``) the drafter reads, or
-    # FINAL_HIDDEN for the target's final-norm output.
-    capture_layers: tuple[int, ...] = ()
     # True when the draft tokens come from a whole (unsharded) LM head on every rank.
     replicated_lm_head: bool = False
 
@@ -122,21 +226,20 @@ class DraftModelSpeculator:
         return self.use_local_argmax_reduction and not self.replicated_lm_head
 
     def __init__(self, spec_config: SpeculativeConfig, engine_config: EngineConfig, device: torch.device):
-        self.spec_config = spec_config
-        self.engine_config = engine_config
-        self.device = device
-        self.num_speculative_tokens = spec_config.num_speculative_tokens
+        super().__init__(spec_config, engine_config, device)
         self.use_local_argmax_reduction = spec_config.use_local_argmax_reduction
-        self.draft_sample_method = spec_config.draft_sample_method
-        self.model = None
 
     # ---- loading --------------------------------------------------------------------------
-    def load_model(self, target_model: torch.nn.Module, num_kv_slots: int) -> None:
-        """Build the draft model (its KV cache gets ``num_kv_slots`` slots, the target's count, so
-        the target's block tables address it) and validate the flag against it."""
+    def load(self, target_model: torch.nn.Module, num_kv_slots: int) -> None:
+        """Build the draft model; under ``--quantization q4_1`` a shipped drafter's own weights
+        are rounded to Q4_1 where its method says so, then its weights are packed for the CPU."""
         self.num_kv_slots = num_kv_slots
         self.model = self._build_model(target_model)
-        self._validate_local_argmax_reduction()
+        quantization = self.engine_config.quantization
+        if (quantization == "q4_1" and self.spec_config.method_spec.rounds_shipped_drafter_to_q4_1
+                and is_shipped_drafter(self.spec_config.model)):
+            round_drafter_to_q4_1(self.model, target_model)
+        pack_cpu_weights(self.model, quantization)
 
     def _build_model(self, target_model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
@@ -144,24 +247,6 @@ class DraftModelSpeculator:
     def _allocate_kv(self, model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The drafter's paged KV cache, ``num_kv_slots`` slots (the target's block tables address it)."""
         return allocate_kv_cache(num_layers, self.num_kv_slots, model.kv_cache_shape, model.dtype, self.device)
-
-    def _validate_local_argmax_reduction(self) -> None:
-        if not self.use_local_argmax_reduction:
-            return
-        if self.draft_sample_method == "probabilistic":
-            # Sharded Gumbel-max needs the model's local logits shard; without it, the full q.
-            if not callable(getattr(self.model, "compute_logits_shard", None)):
-                raise ValueError(
-                    "speculative_config.use_local_argmax_reduction=true only applies to greedy draft selection; "
-                    "draft_sample_method='probabilistic' needs the full draft distribution "
-                    f"({type(self.model).__name__} has no compute_logits_shard() for vocab-parallel drafting)"
-                )
-            return
-        if not callable(getattr(self.model, "get_top_tokens", None)):
-            raise ValueError(
-                f"speculative_config.use_local_argmax_reduction=true needs a draft model with get_top_tokens(); "
-                f"{type(self.model).__name__} has none"
-            )
 
     # ---- draft selection --------------------------------------------------------------------
     def _greedy_sample_draft(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -211,7 +296,8 @@ class DraftModelSpeculator:
         while active:
             meta = None
             if sampling is not None:
-                meta = sampling_rows(sampling, active, [positions[r] + j for r in active])
+                meta = sampling.select(torch.tensor(active, device=sampling.seeds.device),
+                                       torch.tensor([positions[r] + j for r in active], device=sampling.seeds.device))
             sample = self.sample_draft(hidden, meta)
             ids = sample.token_ids.tolist()
             for a, r in enumerate(active):
@@ -226,23 +312,10 @@ class DraftModelSpeculator:
             j += 1
         return drafts, [torch.stack(d) if d else None for d in dists]
 
-    # ---- proposing --------------------------------------------------------------------------
-    def propose(self, inp: DraftInput) -> DraftOutput:
-        raise NotImplementedError
-
-    # ---- profiling (spec_decode.step_time) ----------------------------------------------------
-    def dummy_feed(self, num_rows: int) -> None:
-        """The drafter's work for ``num_rows`` kept tokens that does not depend on k, on dummy
-        inputs in the first KV blocks (start-up, before any request owns one)."""
-        raise NotImplementedError
-
-    def dummy_pass(self, num_rows: int) -> None:
-        """One drafting pass over ``num_rows`` rows (forward, LM head, draft sampling), on dummy inputs."""
-        raise NotImplementedError
-
+    # ---- profiling helpers ------------------------------------------------------------------
     def dummy_metadata(self, num_rows: int, query_len: int, non_causal: bool = False):
         """``AttentionMetadata.dummy`` for the drafter's profile: sequences of ``query_len`` rows
-        after ``step_time.profile_context`` earlier tokens. Returns (metadata, positions [num_rows])."""
+        after ``step_profile.profile_context`` earlier tokens. Returns (metadata, positions [num_rows])."""
         context = profile_context(self.engine_config.scheduler.max_model_len, self.num_kv_slots, query_len)
         return AttentionMetadata.dummy(
             num_rows, query_len, self.engine_config.cache.block_size, self.device, non_causal, context=context
@@ -259,19 +332,3 @@ class DraftModelSpeculator:
                 [SamplingParams(temperature=1.0)] * rows, [0] * rows, [0] * rows, device=self.device
             )
         self.sample_draft(hidden, sampling)
-
-
-def sampling_rows(sampling: SamplingMetadata, rows: list[int], positions: list[int]) -> SamplingMetadata:
-    """Rows ``rows`` of ``sampling`` (repeats allowed), drawing at ``positions``."""
-    index = torch.tensor(rows, dtype=torch.int64, device=sampling.seeds.device)
-
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, index)
-
-    return SamplingMetadata(
-        temperature=pick(sampling.temperature), top_k=pick(sampling.top_k), top_p=pick(sampling.top_p),
-        min_p=pick(sampling.min_p), seeds=pick(sampling.seeds),
-        positions=torch.tensor(positions, dtype=torch.int64, device=index.device),
-        max_num_logprobs=None, all_greedy=sampling.all_greedy, all_random=sampling.all_random,
-        no_top_k_top_p_min_p=sampling.no_top_k_top_p_min_p,
-    )

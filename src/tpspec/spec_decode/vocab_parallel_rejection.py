@@ -37,7 +37,7 @@ import torch
 from tpspec.distributed import comm
 from tpspec.sample.gumbel import ACCEPT, RESIDUAL, SAMPLE, gumbel, uniform
 from tpspec.sample.mass import masses, probs
-from tpspec.sample.sampler import SamplingMetadata, select_rows
+from tpspec.sample.sampler import SamplingMetadata
 from tpspec.sample.vocab_parallel import (
     LogitsShard,
     best_of,
@@ -146,7 +146,7 @@ class VocabParallelRejectionSampler:
         proc = known_max = None
         if r.numel():
             r_rows, d = rows[r], drafts[r].unsqueeze(-1)  # [n], [n, 1]
-            proc, known_max = processed(target.select(r_rows), select_rows(metadata, r_rows), site)
+            proc, known_max = processed(target.select(r_rows), metadata.select(r_rows, random_only=True), site)
             per_row = [owned_values(proc.logits, target.vocab_start, d).squeeze(-1)]  # l(d)
             if draft_dists is not None:
                 local = d.squeeze(-1) - target.vocab_start
@@ -222,7 +222,7 @@ class VocabParallelRejectionSampler:
             draw = target.logits.index_select(0, rows)  # greedy rows: argmax of the raw logits
             r = torch.nonzero(metadata.temperature[rows] > 0).squeeze(-1)
             if r.numel():
-                sub = select_rows(metadata, rows[r])
+                sub = metadata.select(rows[r], random_only=True)
                 proc, _ = processed(target.replace(draw.index_select(0, r)), sub, site)
                 draw[r] = gumbel(sub.seeds, sub.positions, ids, SAMPLE).add_(proc.logits)
             value[slot[bonus]], gid[slot[bonus]] = local_best(draw, target.vocab_start)

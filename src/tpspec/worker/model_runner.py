@@ -7,10 +7,9 @@ every rank computes the same tokens (the same ones in both modes).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from dataclasses import replace
-
 import torch
 from tqdm import tqdm
 
@@ -18,34 +17,21 @@ from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers import cpu_kernels
-from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
-from tpspec.layers.linear import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights, round_drafter_to_q4_1
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, num_kv_blocks
+from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.sample import vocab_parallel
 from tpspec.sample.sampler import Sampler, SamplingMetadata, logprobs_of
+from tpspec.sample.sampling_states import SamplingStates
 from tpspec.sample.vocab_parallel import LogitsShard, shard_columns
-from tpspec.spec_decode.dflash import DFlashSpeculator
-from tpspec.spec_decode.draft_model import DraftModelProposer
-from tpspec.spec_decode.eagle import Eagle3Proposer
-from tpspec.spec_decode.mtp import MTPProposer
-from tpspec.spec_decode.ngram import NgramProposer
-from tpspec.spec_decode.shipped import rounds_drafter_to_q4_1
 from tpspec.spec_decode.rejection_sampler import RejectionSampler
+from tpspec.spec_decode.speculator import DraftInput, Speculator, target_features
+from tpspec.spec_decode.step_profile import profile_context, profile_grid
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
-from tpspec.spec_decode.speculator import DraftInput, target_features
-from tpspec.spec_decode.step_time import profile_context, profile_grid
 from tpspec.worker.request_state import RequestStates, ScheduledSeq
-from tpspec.worker.step import StepInput, StepOutput, TokenLogprobs
-
-# Model-based drafters (built on every rank); ngram looks drafts up in each rank's copy of the tokens.
-SPECULATORS = {
-    "draft_model": DraftModelProposer,
-    "dflash": DFlashSpeculator,
-    "eagle3": Eagle3Proposer,
-    "eagle": Eagle3Proposer,
-    "mtp": MTPProposer,
-}
+from tpspec.worker.step_rows import StepRows
+from tpspec.worker.step import NewRequest, StepInput, StepOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +39,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # Decode steps run at start-up with ``torch_compile``, as (batch size, context blocks): a size that
 # changes between two compilations becomes dynamic in the next graph (torch.compile's automatic
-# dynamic shapes), size 1 is always specialized, and ``layers.linear.linear`` branches past
+# dynamic shapes), size 1 is always specialized, and ``layers.cpu_weights.linear`` branches past
 # CPU_FLOAT16_MAX_ROWS rows. After these, no batch size or context length compiles again.
 COMPILE_DECODE_WARMUP = ((1, 1), (1, 2), (2, 1), (CPU_FLOAT16_MAX_ROWS + 1, 2))
 
@@ -68,16 +54,6 @@ PROFILE_REPEATS = 3
 PROFILE_REPEATS_LARGE = 2
 
 
-def num_kv_blocks(config: EngineConfig, device: torch.device) -> int:
-    """Blocks that fit the KV budget, computed from the whole model so every rank agrees."""
-    if config.cache.num_gpu_blocks is not None:
-        return config.cache.num_gpu_blocks
-    a = config.arch
-    elem = kv_cache_dtype(DTYPES[config.dtype], device).itemsize
-    per_block = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * config.cache.block_size * elem
-    return max(1, int(config.cache.kv_cache_memory_gb * (1 << 30)) // per_block)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
@@ -85,6 +61,10 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
+        self.requests = RequestStates()
+        self.sampling_states = SamplingStates(device)
+        self.speculator: Speculator | None = None
+        self.rejection_sampler: RejectionSampler | None = None
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -139,7 +119,7 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_step_time(self) -> dict[str, list]:
         """Time the target's forward + LM head + argmax over the row counts of
-        ``step_time.profile_grid`` as verifications (sequences of k + 1 tokens) and over as many
+        ``step_profile.profile_grid`` as verifications (sequences of k + 1 tokens) and over as many
         sequences of one token as a step may hold (decodes), and the drafter's feed and one
         drafting pass (dummy inputs in the first KV blocks, before any request owns one): the
         speculation-length controller's start-up cost curves (``StepTimeModel.from_profile``).
@@ -162,11 +142,8 @@ class ModelRunner:
             "seqs_grid": seqs_grid,
             "decode_s": [self._time(lambda r: forward(r, 1), r) for r in seqs_grid],
         }
-        if self.speculator is None:  # ngram: no drafter forward
-            out["feed_s"] = out["draft_pass_s"] = [0.0] * len(rows_grid)
-        else:
-            out["feed_s"] = [self._time(self.speculator.dummy_feed, r) for r in rows_grid]
-            out["draft_pass_s"] = [self._time(self.speculator.dummy_pass, r) for r in rows_grid]
+        out["feed_s"] = [self._time(self.speculator.dummy_feed, r) for r in rows_grid]
+        out["draft_pass_s"] = [self._time(self.speculator.dummy_pass, r) for r in rows_grid]
         comm.reset_comm_stats()  # the profile's collectives are not the engine's traffic
         logger.info("rank %d: profiled step times over %s rows and %s sequences in %.1f s", get_tp_rank(), rows_grid,
                     seqs_grid, time.perf_counter() - t0)
@@ -185,20 +162,26 @@ class ModelRunner:
         return best
 
     def load_speculator(self) -> None:
-        """Build the drafter, if the engine speculates."""
+        """Build the speculator of the configured method (its row in ``config.speculative_methods``), if any."""
         spec = self.config.speculative
-        self.speculator = None
-        self.ngram = None
-        self.rejection_sampler = RejectionSampler() if spec is not None else None
-        self.requests = RequestStates()
-        if spec is not None and spec.method in SPECULATORS:
-            self.speculator = SPECULATORS[spec.method](spec, self.config, self.device)
-            self.speculator.load_model(self.model, self.num_blocks * self.block_size)
-            if self.config.quantization == "q4_1" and rounds_drafter_to_q4_1(spec.method, spec.model):
-                round_drafter_to_q4_1(self.speculator.model, self.model)
-            pack_cpu_weights(self.speculator.model, self.config.quantization)
-        elif spec is not None:  # ngram
-            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+        if spec is None:
+            return
+        self.speculator = spec.method_spec.speculator_class()(spec, self.config, self.device)
+        self.speculator.load(self.model, self.num_blocks * self.block_size)
+        self.rejection_sampler = RejectionSampler()
+
+    # ---- per-request state ------------------------------------------------------------------
+    def add_request(self, new: NewRequest) -> None:
+        self.requests.add(new)
+        self.sampling_states.add(new.req_id, new.params, new.seed)
+        if self.speculator is not None:
+            self.speculator.add(new.req_id)
+
+    def forget_request(self, req_id: str) -> None:
+        self.requests.forget(req_id)
+        self.sampling_states.remove(req_id)
+        if self.speculator is not None:
+            self.speculator.forget(req_id)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -207,72 +190,102 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        """One engine step: build inputs → target forward → verify → propose."""
         t0 = self._now()
-        seqs = self.requests.begin_step(step)
-        if not seqs:  # only ended requests to forget
+        for req_id in step.finished_req_ids:
+            self.forget_request(req_id)
+        for new in step.new_requests:
+            self.add_request(new)
+        if not step.seqs:  # only ended requests to forget
             return StepOutput([], [])
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
-        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in seqs])
-        query_lens = [len(s.token_ids) for s in seqs]
-        md = AttentionMetadata.build(
-            query_lens,
-            [s.start_pos + len(s.token_ids) for s in seqs],
-            [s.block_table for s in seqs],
-            self.block_size,
-            self.device,
-        )
+        seqs = self._schedule(step)
+        rows = StepRows.of(seqs, self.sampling_states.slot_of)
+        input_ids, positions, md = self._build_inputs(seqs, rows)
         capture = self.speculator.capture_layers if self.speculator is not None else ()
-        hidden, captured = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, md, capture)
-
-        # Rows to score: per sampling sequence, each draft position and the bonus position.
-        ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
-        sampling = [i for i, s in enumerate(seqs) if s.sample]
-        rows = [r for i in sampling for r in range(ends[i] - 1 - seqs[i].num_spec, ends[i])]
-        sampled: list[list[int]] = [[] for _ in seqs]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * len(seqs)
-        num_accepted = [0] * len(seqs)
-        if rows:
-            site = "sample" if self.rejection_sampler is None else "verify.sample"
-            index = torch.tensor(rows, device=self.device)
-            if self.config.sampling_mode == "vocab-parallel":  # this rank's columns: no O(vocab) gather
-                logits = self.model.compute_logits_shard(hidden[index])  # LogitsShard [rows, shard_size]
-            else:
-                logits = self.model.compute_logits(hidden[index], site)  # [rows, vocab]
-            comm.count_rows(site, len(rows))
-            row_seq = [i for i in sampling for _ in range(seqs[i].num_spec + 1)]
-            meta = SamplingMetadata.from_params(
-                [seqs[i].params for i in row_seq],
-                [seqs[i].seed for i in row_seq],
-                [seqs[i].start_pos + len(seqs[i].token_ids) - seqs[i].num_spec + j
-                 for i in sampling for j in range(seqs[i].num_spec + 1)],
-                device=self.device,
-            )
-            if self.rejection_sampler is None or not any(seqs[i].num_spec for i in sampling):
-                # No drafts to verify: the Sampler, which is what verification of k = 0 draws.
-                # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.
-                if isinstance(logits, LogitsShard):
-                    tokens = vocab_parallel.sample(logits, meta, site).tolist()
-                else:
-                    tokens = self.sampler(logits, replace(meta, max_num_logprobs=None)).sampled_token_ids.tolist()
-                for j, i in enumerate(sampling):
-                    sampled[i] = [tokens[j]]
-            else:
-                out = self._verify(seqs, sampling, logits, meta, site)
-                for j, i in enumerate(sampling):
-                    sampled[i], num_accepted[i] = out.output_token_ids[j], out.num_accepted[j]
-            self._logprobs(seqs, sampling, logits, sampled, logprobs, site)
+        hidden, captured = self.model(input_ids, positions, self.kv_caches, md, capture)
+        sampled, num_accepted, logprobs, meta = self._sample(seqs, rows, hidden)
         t1 = self._now()
         # The rank's copy of each request takes its new tokens; one that ended is forgotten and drafts no more.
-        ended = [bool(emitted) and self.requests.append(s, emitted) for s, emitted in zip(seqs, sampled)]
+        ended = [bool(emitted) and self.requests.append(s.req, emitted) for s, emitted in zip(seqs, sampled)]
         num_drafts = [0] * len(seqs)
         fed_rows = 0
-        if self.config.speculative is not None:
+        if self.speculator is not None:
             wanted = [s.step.num_draft if emitted and not end else 0 for s, emitted, end in zip(seqs, sampled, ended)]
-            fed_rows = self._propose(seqs, sampled, wanted, query_lens, captured, hidden)
-            num_drafts = [len(s.state.draft_ids) for s in seqs]
+            fed_rows = self._propose(seqs, sampled, wanted, captured, hidden, rows, meta)
+            num_drafts = [len(self.speculator.drafts(s.req_id)) for s in seqs]
+        for s, end in zip(seqs, ended):
+            if end:
+                self.forget_request(s.req_id)
         t2 = self._now()
         return StepOutput(sampled, logprobs, num_accepted, num_drafts, target_s=t1 - t0, drafter_s=t2 - t1,
                           drafter_fed_rows=fed_rows)
+
+    def _schedule(self, step: StepInput) -> list[ScheduledSeq]:
+        """Each scheduled request's share of the step: its tokens to feed, then the drafts to verify."""
+        seqs = []
+        for s, req in zip(step.seqs, self.requests.schedule(step.seqs)):
+            drafts: list[int] = []
+            if self.speculator is not None:
+                if s.start_pos == 0:
+                    self.speculator.restart(s.req_id)
+                drafts = self.speculator.drafts(s.req_id)
+            if s.num_spec > len(drafts):
+                raise RuntimeError(f"request {s.req_id!r}: asked to verify {s.num_spec} drafts, the ranks hold {len(drafts)}")
+            end = s.start_pos + s.num_new_tokens
+            tokens = req.token_ids_between(s.start_pos, end) + drafts[: s.num_spec]
+            seqs.append(ScheduledSeq(s, req, tokens, sample=end == req.num_tokens))
+        return seqs
+
+    def _build_inputs(
+        self, seqs: list[ScheduledSeq], rows: StepRows
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The target forward's inputs: token ids and positions [num_tokens], attention metadata."""
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.int64)
+        md = AttentionMetadata.build(
+            rows.num_tokens.tolist(), (rows.start_pos + rows.num_tokens).tolist(), [s.block_table for s in seqs],
+            self.block_size, self.device,
+        )
+        return input_ids.to(self.device), torch.from_numpy(rows.token_positions()).to(self.device), md
+
+    def _sample(
+        self, seqs: list[ScheduledSeq], rows: StepRows, hidden: torch.Tensor,  # [num_tokens, H]
+    ) -> tuple[list[list[int]], list[int], list[list[TokenLogprobs] | None], SamplingMetadata | None]:
+        """Verify every sampling sequence's drafts (k = 0: plain sampling). Returns per sequence
+        its emitted tokens (accepted drafts + one recovered/bonus token; [] for a partial prefill
+        chunk), its accepted drafts and their logprobs if asked for; and the step's sampling
+        metadata (None: nothing sampled)."""
+        sampled: list[list[int]] = [[] for _ in seqs]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(seqs)
+        num_accepted = [0] * len(seqs)
+        if rows.num_rows == 0:
+            return sampled, num_accepted, logprobs, None
+        sampling = rows.sampling.tolist()
+        site = "sample" if self.rejection_sampler is None else "verify.sample"
+        index = torch.from_numpy(rows.hidden_rows).to(self.device)
+        if self.config.sampling_mode == "vocab-parallel":  # this rank's columns: no O(vocab) gather
+            logits = self.model.compute_logits_shard(hidden[index])  # LogitsShard [rows, shard_size]
+        else:
+            logits = self.model.compute_logits(hidden[index], site)  # [rows, vocab]
+        comm.count_rows(site, rows.num_rows)
+        # The step's one sampling metadata: a gather from the slot-indexed states; drafting indexes it.
+        meta = self.sampling_states.gather(
+            torch.from_numpy(rows.slots).to(self.device), torch.from_numpy(rows.positions).to(self.device)
+        )
+        if self.rejection_sampler is None or not rows.num_spec.any():
+            # No drafts to verify: the Sampler, which is what verification of k = 0 draws.
+            # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.
+            if isinstance(logits, LogitsShard):
+                tokens = vocab_parallel.sample(logits, meta, site).tolist()
+            else:
+                tokens = self.sampler(logits, meta, with_logprobs=False).sampled_token_ids.tolist()
+            for j, i in enumerate(sampling):
+                sampled[i] = [tokens[j]]
+        else:
+            out = self._verify(seqs, sampling, logits, meta, site)
+            for j, i in enumerate(sampling):
+                sampled[i], num_accepted[i] = out.output_token_ids[j], out.num_accepted[j]
+        self._logprobs(seqs, sampling, logits, sampled, logprobs, site)
+        return sampled, num_accepted, logprobs, meta
 
     def _verify(
         self, seqs: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor | LogitsShard, meta: SamplingMetadata,
@@ -286,7 +299,7 @@ class ModelRunner:
             drafts = s.token_ids[len(s.token_ids) - s.num_spec :]
             draft_ids += drafts
             num_drafts.append(s.num_spec)
-            q = s.state.draft_dists
+            q = self.speculator.draft_dists(s.req_id)
             # The driver may verify only a prefix of the drafts (the chosen k, max_tokens, token
             # budget); their q is the same prefix.
             dists.append(q[: s.num_spec] if q is not None and s.num_spec else None)
@@ -346,42 +359,34 @@ class ModelRunner:
             logprobs[i] = entries
 
     def _propose(
-        self, seqs: list[ScheduledSeq], sampled: list[list[int]], wanted: list[int], query_lens: list[int],
+        self, seqs: list[ScheduledSeq], sampled: list[list[int]], wanted: list[int],
         captured: dict[int, torch.Tensor],
         final_hidden: torch.Tensor,  # [num_tokens, H] the target's final-norm output
+        rows: StepRows, meta: SamplingMetadata | None,
     ) -> int:
         """Feed the drafter this step's verified tokens (and, if it reads them, the target's hidden
-        states of those tokens) whatever k is, so its state stays valid, and keep ``wanted[i]``
-        drafts proposed for each request's next step (0: none). Returns the rows the drafter fed
-        (``DraftOutput.num_fed_rows``; 0 for n-gram lookups)."""
-        if self.ngram is not None:
-            for s, n in zip(seqs, wanted):
-                s.state.draft_ids = self.ngram.propose(s.state.req.all_token_ids, n) if n else []
-            return 0
+        states of those tokens) whatever k is, so its state stays valid, and have it hold
+        ``wanted[i]`` drafts for each request's next step (0: none). Returns the rows the drafter
+        fed (``Speculator.propose``)."""
         token_ids, context_rows = [], []
         offset = 0
-        for s, emitted, n in zip(seqs, sampled, query_lens):
+        for s, emitted in zip(seqs, sampled):
             real = s.token_ids[: len(s.token_ids) - s.num_spec]
             token_ids.append(real + emitted)  # emitted = accepted drafts + bonus/recovered token
             # The target ran every kept token but the last emitted one (the bonus/recovered token).
             context_rows.extend(range(offset, offset + len(token_ids[-1]) - int(bool(emitted))))
-            offset += n
+            offset += len(s.token_ids)
         features = None
         if self.speculator.capture_layers:
-            rows = torch.tensor(context_rows, dtype=torch.int64, device=self.device)
-            features = target_features(self.speculator.capture_layers, captured, final_hidden)[rows]
+            kept = torch.tensor(context_rows, dtype=torch.int64, device=self.device)
+            features = target_features(self.speculator.capture_layers, captured, final_hidden)[kept]
         proposing = [i for i, n in enumerate(wanted) if n]
         sampling = None
         if proposing and self.speculator.draft_sample_method == "probabilistic":
-            sampling = SamplingMetadata.from_params(
-                [seqs[i].params for i in proposing], [seqs[i].seed for i in proposing],
-                [0] * len(proposing), device=self.device,
-            )
-        out = self.speculator.propose(
-            DraftInput(token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs],
-                       [bool(e) for e in sampled], wanted, sampling, features, [s.state.drafter_backlog for s in seqs])
-        )
-        backlogs = out.deferred or [None] * len(seqs)
-        for s, drafts, q, backlog in zip(seqs, out.drafts, out.dists, backlogs):
-            s.state.draft_ids, s.state.draft_dists, s.state.drafter_backlog = drafts, q, backlog
-        return out.num_fed_rows
+            # One row per proposing sequence: its bonus row of the step's metadata (a proposing
+            # sequence emitted tokens, so it was sampled); the drafter sets the positions it draws at.
+            sampling = meta.select(torch.from_numpy(rows.last_row[proposing]).to(self.device))
+        return self.speculator.propose(DraftInput(
+            [s.req_id for s in seqs], token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs],
+            [bool(e) for e in sampled], wanted, sampling, features, lambda i: seqs[i].req.all_token_ids,
+        ))

@@ -1,35 +1,63 @@
 """What every rank keeps per running request between steps, as vLLM's Model Runner V2 does: its
-tokens, block table and the drafts proposed for its next step (with their draft distribution q,
-for probabilistic drafting). The driver sends only changes (``worker.step``); a rank forgets a
-request when its own stop check ends it (EOS, stop token, max_tokens) or when the driver lists it
-as finished (stop string, abort) in the next step.
+tokens, block table, sampling parameters and stop conditions (the drafts proposed for its next
+step are the speculator's, ``spec_decode.speculator.DraftState``). The driver sends only changes
+(``worker.step``); a rank forgets a request when its own stop check ends it (EOS, stop token,
+max_tokens) or when the driver lists it as finished (stop string, abort) in the next step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from tpspec.engine.sequence import Request
-from tpspec.worker.step import SeqStep, StepInput
+from tpspec.sampling_params import SamplingParams
+from tpspec.worker.step import NewRequest, SeqStep
 
 
 @dataclass
-class RequestState:
-    req: Request  # the rank's copy: prompt and output tokens, sampling params, seed, stop conditions, blocks
-    draft_ids: list[int] = field(default_factory=list)  # proposed for the next step
-    draft_dists: torch.Tensor | None = None  # [len(draft_ids), width] q of probabilistic drafts
-    # The drafter's deferred work on this request's kept tokens (``DraftInput.deferred``); None: none.
-    drafter_backlog: object | None = None
+class RankRequest:
+    """The rank's own record of a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own seed, or the one the engine drew for it
+    max_tokens: int  # effective: sampling_params.max_tokens capped by max_model_len
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, new: NewRequest) -> "RankRequest":
+        return cls(new.req_id, list(new.prompt_token_ids), new.params, new.seed, new.max_tokens, new.eos_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
+
+    def append(self, token_id: int) -> bool:
+        """Append an output token; whether it ends the request (``SamplingParams.stop_for_token``)."""
+        self.output_token_ids.append(token_id)
+        return self.params.stop_for_token(token_id, self.eos_token_ids, len(self.output_token_ids),
+                                          self.max_tokens) is not None
 
 
 @dataclass
 class ScheduledSeq:
-    """One request's share of the current step, resolved against the rank's state."""
+    """One request's share of the current step, resolved against the rank's records."""
 
     step: SeqStep
-    state: RequestState
+    req: RankRequest
     token_ids: list[int]  # fed this step: real tokens, then the drafts being verified
     sample: bool  # the fed tokens reach the request's last token: emit the next ones
 
@@ -47,56 +75,49 @@ class ScheduledSeq:
 
     @property
     def block_table(self) -> list[int]:
-        return self.state.req.block_ids
+        return self.req.block_ids
 
     @property
-    def params(self):
-        return self.state.req.sampling_params
+    def params(self) -> SamplingParams:
+        return self.req.params
 
     @property
     def seed(self) -> int:
-        return self.state.req.seed
+        return self.req.seed
 
 
 class RequestStates:
-    def __init__(self) -> None:
-        self.states: dict[str, RequestState] = {}
+    """The rank's records of its running requests, by id."""
 
-    def begin_step(self, step: StepInput) -> list[ScheduledSeq]:
-        """Forget finished requests, add new ones, apply block changes; the step's sequences in order."""
-        for req_id in step.finished_req_ids:
-            self.states.pop(req_id, None)
-        for new in step.new_requests:
-            req = Request(new.req_id, list(new.prompt_token_ids), new.params, new.seed, new.max_tokens, new.eos_token_ids)
-            self.states[new.req_id] = RequestState(req)
-        seqs = []
-        for s in step.seqs:
-            state = self.states[s.req_id]
-            req = state.req
+    def __init__(self) -> None:
+        self.requests: dict[str, RankRequest] = {}
+
+    def add(self, new: NewRequest) -> None:
+        self.requests[new.req_id] = RankRequest.from_new(new)
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def schedule(self, seqs: list[SeqStep]) -> list[RankRequest]:
+        """The step's requests in order, their block changes applied (a sequence fed from position
+        0 starts its block table over)."""
+        reqs = []
+        for s in seqs:
+            req = self.requests[s.req_id]
             if s.start_pos == 0:  # nothing cached: first chunk, or recomputed after a preemption
                 req.block_ids = []
-                state.drafter_backlog = None  # its slots may belong to another request by now
             req.block_ids.extend(s.new_block_ids)
-            if s.num_spec > len(state.draft_ids):
-                raise RuntimeError(
-                    f"request {s.req_id!r}: asked to verify {s.num_spec} drafts, the ranks hold {len(state.draft_ids)}"
-                )
-            end = s.start_pos + s.num_new_tokens
-            tokens = req.token_ids_between(s.start_pos, end) + state.draft_ids[: s.num_spec]
-            seqs.append(ScheduledSeq(s, state, tokens, sample=end == req.num_tokens))
-        return seqs
+            reqs.append(req)
+        return reqs
 
-    def append(self, seq: ScheduledSeq, tokens: list[int]) -> bool:
+    @staticmethod
+    def append(req: RankRequest, tokens: list[int]) -> bool:
         """Append a step's emitted tokens the way the driver does (up to a stop); returns whether the
-        request ended, in which case the rank forgets it."""
-        req = seq.state.req
-        for token in tokens:
-            req.output_token_ids.append(token)
-            if req.check_stop(token):
-                self.states.pop(req.request_id, None)
-                return True
-        return False
+        request ended (the runner then forgets it)."""
+        return any(req.append(token) for token in tokens)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
 
     def __len__(self) -> int:
-        return len(self.states)
-
+        return len(self.requests)

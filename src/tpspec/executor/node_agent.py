@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import Any
 
 from tpspec.config import EngineConfig
-from tpspec.distributed.fingerprint import config_fingerprint
-from tpspec.distributed.local_workers import EngineDeadError, LocalWorkers, check_cuda_devices
-from tpspec.distributed.node_link import LinkClosed, join_head
+from tpspec.executor.fingerprint import config_fingerprint
+from tpspec.executor.local_workers import EngineDeadError, LocalWorkers, check_cuda_devices
+from tpspec.executor.node_link import LinkClosed, join_head
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +66,3 @@ def run_node(config: EngineConfig, device_kind: str) -> int:
         if workers is not None:
             workers.stop(graceful=False)
         link.close()
-
-
-def run_headless(engine_args: dict[str, Any]) -> int:
-    """``tpspec serve --headless``: build this node's configuration from the engine flags and run it."""
-    from tpspec.engine.engine_args import EngineArgs
-    from tpspec.engine.llm_engine import resolve_device
-
-    args = EngineArgs(**engine_args)
-    device_kind = resolve_device(args.device)
-    return run_node(args.create_engine_config(device_kind), device_kind)

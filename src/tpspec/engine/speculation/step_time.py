@@ -14,14 +14,14 @@
   which a single draft anywhere in the step gives up; learned online;
 * ``feed(r)``: the drafter's work that does not depend on k, for r kept tokens (DFlash writes their
   context K/V, EAGLE-3 and MTP refeed them, a draft model runs them); DFlash and the chain heads
-  defer it while no request proposes (``DEFERRED_FEED_METHODS``), so such a step has no feed;
+  defer it while no request proposes (the methods table's ``defers_feed``), so such a step has no feed;
 * ``draft(r)``: one drafting pass over r rows (forward, LM head and draft sampling). Which passes
-  a choice of k per request makes depends on the method (``draft_passes``);
+  a choice of k per request makes depends on the method (``SpeculativeMethod.draft_passes``);
 * ``overhead``: the rest of a step (host work, scheduling, RPC), a running mean.
 
 Each curve is piecewise linear on a grid of row (or sequence) counts, measured by a short profile
-at start-up (``ModelRunner.profile_step_time``, over sequences with ``PROFILE_CONTEXT`` earlier
-tokens) and corrected online from every step's measured phase times by normalized least mean
+at start-up (``ModelRunner.profile_step_time``, over sequences with ``spec_decode.step_profile.PROFILE_CONTEXT``
+earlier tokens) and corrected online from every step's measured phase times by normalized least mean
 squares: the error of a step's prediction is spread over the grid points (and terms) the
 prediction used, in proportion to their weight in it.
 """
@@ -30,39 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
-# Profiled sequences attend to this many earlier tokens (attention's share of a step grows with
-# the context: a profile over empty contexts would underrate verifying drafts).
-PROFILE_CONTEXT = 256
-# Drafters that feed only the requests proposing drafts (the others' kept tokens wait until they do).
-DEFERRED_FEED_METHODS = ("dflash", "eagle3", "eagle", "mtp")
+from tpspec.config.speculative_methods import SpeculativeMethod
+
 LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
 OVERHEAD_DECAY = 0.9
-
-
-def profile_context(max_model_len: int, num_slots: int, query_len: int) -> int:
-    """Earlier tokens each profiled sequence attends to: ``PROFILE_CONTEXT``, less where
-    max_model_len or the KV cache leaves less room."""
-    return max(0, min(PROFILE_CONTEXT, max_model_len - query_len, num_slots - query_len))
-
-
-def profile_grid(max_rows: int) -> list[int]:
-    """Row counts to profile: 1, 2, 4, 8, 16, then powers of two and the midpoints between them
-    (24, 32, 48, 64, 96, …; costs bend where kernels change, e.g. past the oneDNN layers' rows)
-    up to ``max_rows``, and ``max_rows`` itself."""
-    points = [1, 2, 4, 8] + [m << i for i in range(3, 30) for m in (2, 3)]  # …, 16, 24, 32, 48, 64, 96, …
-    return [x for x in points if x < max_rows] + [max_rows]
-
-
-def draft_passes(method: str, ks: list[int]) -> list[int]:
-    """Rows of each drafting pass when the requests of a step propose ``ks`` drafts each.
-    DFlash runs one block of k + 1 rows per proposing request; chain drafters (EAGLE-3, a draft
-    model) run pass j over the requests that want at least j drafts; n-gram lookup runs none."""
-    if method == "ngram":
-        return []
-    if method == "dflash":
-        rows = sum(k + 1 for k in ks if k > 0)
-        return [rows] if rows else []
-    return [sum(1 for k in ks if k >= j) for j in range(1, max(ks, default=0) + 1)]
 
 
 class PiecewiseLinear:
@@ -106,7 +77,7 @@ class PiecewiseLinear:
 
 class StepTimeModel:
     def __init__(
-        self, method: str, rows: PiecewiseLinear, seqs: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear
+        self, method: SpeculativeMethod, rows: PiecewiseLinear, seqs: PiecewiseLinear, feed: PiecewiseLinear, draft: PiecewiseLinear
     ):
         self.method = method
         self.rows, self.seqs, self.feed, self.draft = rows, seqs, feed, draft
@@ -114,7 +85,7 @@ class StepTimeModel:
         self.overhead = 0.0  # seconds per step
 
     @classmethod
-    def from_profile(cls, method: str, p: dict) -> "StepTimeModel":
+    def from_profile(cls, method: SpeculativeMethod, p: dict) -> "StepTimeModel":
         """The model of a start-up profile (``ModelRunner.profile_step_time``): ``rows_s``,
         ``feed_s`` and ``draft_pass_s`` on ``rows_grid``, ``decode_s`` on ``seqs_grid``."""
         rows = PiecewiseLinear(p["rows_grid"], p["rows_s"])
@@ -138,12 +109,12 @@ class StepTimeModel:
     def fed_rows(self, feed_rows: int, proposing: bool) -> int:
         """Rows the drafter feeds in a step with ``feed_rows`` kept tokens (approximately, for a
         deferring drafter: the backlog of the requests that propose is not known here)."""
-        return 0 if not proposing and self.method in DEFERRED_FEED_METHODS else feed_rows
+        return 0 if not proposing and self.method.defers_feed else feed_rows
 
     def predict(self, target_rows: int, seqs: int, feed_rows: int, ks: list[int], decode_only: bool = False) -> float:
         """Seconds of a step: the target's forward, the drafter's feed and passes, the overhead."""
         fed = self.fed_rows(feed_rows, any(k > 0 for k in ks))
-        drafter = self.feed(fed) + sum(self.draft(r) for r in draft_passes(self.method, ks))
+        drafter = self.feed(fed) + sum(self.draft(r) for r in self.method.draft_passes(ks))
         return self.forward(target_rows, seqs, decode_only) + drafter + self.overhead
 
     def observe(
@@ -157,8 +128,8 @@ class StepTimeModel:
         1 row as dear as one of 60, and the controller then held speculation off at c = 1)."""
         jump = [] if decode_only else [1]
         _nlms_joint([(self.rows, [target_rows]), (self.seqs, [seqs]), (self.verify_jump, jump)], target_s)
-        if self.method != "ngram":
-            passes = draft_passes(self.method, ks)
+        if not self.method.free_proposal:
+            passes = self.method.draft_passes(ks)
             _nlms_joint([(self.feed, [fed_rows] if fed_rows else []), (self.draft, passes)], drafter_s)
         rest = max(0.0, step_s - target_s - drafter_s)
         self.overhead = OVERHEAD_DECAY * self.overhead + (1.0 - OVERHEAD_DECAY) * rest

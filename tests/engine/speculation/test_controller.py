@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from tpspec.config import SpeculativeConfig
-from tpspec.spec_decode.acceptance import AcceptanceModel
-from tpspec.spec_decode.controller import PROBE_BUDGET, PROBE_INTERVAL, PlanRequest, SpeculationLengthController
-from tpspec.spec_decode.step_time import PiecewiseLinear, StepTimeModel, draft_passes, profile_grid
+from tpspec.engine.speculation.acceptance import AcceptanceModel
+from tpspec.engine.speculation.controller import PROBE_BUDGET, PROBE_INTERVAL, PlanRequest, SpeculationLengthController
+from tpspec.config.speculative_methods import get_method
+from tpspec.engine.speculation.step_time import PiecewiseLinear, StepTimeModel
+from tpspec.spec_decode.step_profile import profile_grid
 
 GRID = profile_grid(64)
 
@@ -23,7 +25,7 @@ def curve(fn) -> PiecewiseLinear:
 
 
 def model(method: str, rows, draft, feed=lambda r: 0.0, seqs=lambda s: 0.0, verify_jump: float = 0.0) -> StepTimeModel:
-    m = StepTimeModel(method, curve(rows), curve(seqs), curve(feed), curve(draft))
+    m = StepTimeModel(get_method(method), curve(rows), curve(seqs), curve(feed), curve(draft))
     m.verify_jump = PiecewiseLinear([1], [verify_jump])
     return m
 
@@ -252,7 +254,7 @@ def test_attention_over_contexts_is_paid_with_or_without_drafts():
     k = 4
     profile = {"rows_grid": GRID, "rows_s": [1.0 + 0.04 * r for r in GRID], "feed_s": [0.0] * len(GRID),
                "draft_pass_s": [0.0] * len(GRID), "seqs_grid": GRID, "decode_s": [1.0 + 0.04 * s + 0.05 * s for s in GRID]}
-    stm = StepTimeModel.from_profile("ngram", profile)
+    stm = StepTimeModel.from_profile(get_method("ngram"), profile)
     assert stm.predict(32, 32, 32, [], decode_only=True) == pytest.approx(1.0 + 0.09 * 32)
     assert stm.predict(40, 32, 32, [1] * 8) == pytest.approx(1.0 + 0.04 * 40 + 0.05 * 32)
     c = controller("ngram", k, stm)
@@ -291,10 +293,10 @@ def test_curve_lookups_agree():
 
 
 def test_draft_passes_by_method():
-    assert draft_passes("dflash", [0, 3, 1]) == [6]
-    assert draft_passes("eagle3", [0, 3, 1]) == [2, 1, 1]
-    assert draft_passes("draft_model", []) == []
-    assert draft_passes("ngram", [5]) == []
+    assert get_method("dflash").draft_passes([0, 3, 1]) == [6]
+    assert get_method("eagle3").draft_passes([0, 3, 1]) == [2, 1, 1]
+    assert get_method("draft_model").draft_passes([]) == []
+    assert get_method("ngram").draft_passes([5]) == []
 
 
 @pytest.mark.parametrize("spec, match", [

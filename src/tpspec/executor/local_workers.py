@@ -1,6 +1,6 @@
 """This node's TP worker processes: spawned, waited for, watched and stopped.
 
-Workers are fresh interpreters (``python -m tpspec.distributed.local_workers``) that read their
+Workers are fresh interpreters (``python -m tpspec.executor.local_workers``) that read their
 arguments from stdin, so they never re-import the user's main module (a script without an
 ``if __name__ == "__main__"`` guard works). Each joins the TP group, loads its shard and then
 runs whatever rank 0 broadcasts (``ModelRunner`` calls) until told to shut down. Workers die
@@ -118,7 +118,7 @@ class LocalWorkers:
         try:
             for rank in self.ranks:
                 p = subprocess.Popen(
-                    [sys.executable, "-m", "tpspec.distributed.local_workers"], stdin=subprocess.PIPE,
+                    [sys.executable, "-m", "tpspec.executor.local_workers"], stdin=subprocess.PIPE,
                     pass_fds=(ready_w,),
                 )
                 self.procs.append(p)

@@ -34,15 +34,15 @@ import torch
 
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
-from tpspec.distributed.fingerprint import config_fingerprint
-from tpspec.distributed.local_workers import (
+from tpspec.executor.fingerprint import config_fingerprint
+from tpspec.executor.local_workers import (
     EngineDeadError,
     LocalWorkers,
     check_cuda_devices,
     rank_device,
     threads_per_rank,
 )
-from tpspec.distributed.node_link import HeadLinks, rendezvous_method
+from tpspec.executor.node_link import HeadLinks, rendezvous_method
 from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, get_state, init_distributed
 from tpspec.worker.model_runner import ModelRunner
 from tpspec.worker.step import StepInput, StepOutput

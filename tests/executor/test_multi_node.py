@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from tpspec import LLM, SamplingParams
-from tpspec.distributed.node_link import HEARTBEAT_TIMEOUT_S, NodeStartError
+from tpspec.executor.node_link import HEARTBEAT_TIMEOUT_S, NodeStartError
 from tpspec.distributed.parallel_state import get_state
 
 from tests.server.utils import ServerProcess, metrics, open_stream, request

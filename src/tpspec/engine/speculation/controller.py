@@ -21,7 +21,7 @@ carries over up to an interval's earnings and one probe's cost, so probes cost a
 ``PROBE_BUDGET`` of the engine's time: where one probe costs more than an interval earns (a
 drafting pass beside a single fast decode), probe steps come less often than every interval.
 
-n-gram drafts cost no drafter work (``FREE_PROPOSAL_METHODS``), so there is no steady state to
+n-gram drafts cost no drafter work (the methods table's ``free_proposal``), so there is no steady state to
 plan for: adaptive, every request proposes all the drafts it may, and each step the controller
 chooses how many of the drafts each request holds to verify (a lookup that found nothing takes
 no share of the step's rows; a probe verifies one held draft).
@@ -40,13 +40,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpspec.config import SpeculativeConfig
-from tpspec.spec_decode.acceptance import AcceptanceModel
-from tpspec.spec_decode.step_time import DEFERRED_FEED_METHODS, StepTimeModel, draft_passes
+from tpspec.engine.speculation.acceptance import AcceptanceModel
+from tpspec.config.speculative_methods import BLOCK, LOOKUP, SpeculativeMethod
+from tpspec.engine.speculation.step_time import StepTimeModel
 
 PROBE_INTERVAL = 16  # steps between probe steps, and without drafts before a request is probed
 PROBE_BUDGET = 0.01  # the probes' share of the engine's time, by the step-time model
 MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
-FREE_PROPOSAL_METHODS = ("ngram",)  # proposing costs no drafter work (a lookup in the tokens)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class SpeculationLengthController:
         if spec.adaptive and step_time is None:
             raise ValueError("an adaptive speculation length needs a step-time model")
         self.spec = spec
-        self.method = spec.method
+        self.method = spec.method_spec
         self.max_k = spec.num_speculative_tokens
         self.step_time = step_time
         self.acceptance = AcceptanceModel(self.max_k)
@@ -84,7 +84,7 @@ class SpeculationLengthController:
         self._probe_credit = 0.0  # seconds of probing earned: PROBE_BUDGET of every step's predicted time
         # Adaptive n-gram drafts cost nothing to propose: every request proposes the most it may,
         # and the controller chooses how many of the drafts it holds to verify.
-        self.free_proposals = spec.adaptive and spec.method in FREE_PROPOSAL_METHODS
+        self.free_proposals = spec.adaptive and self.method.free_proposal
         # chosen k per sampling request-step: drafts proposed (with free proposals: verified)
         self.k_histogram = [0] * (self.max_k + 1)
         self.num_timed_steps = 0
@@ -205,8 +205,8 @@ class SpeculationLengthController:
         plain = model.forward(real_rows, seqs, real_rows == seqs)
 
         def cost(m: int) -> float:  # m probes: the drafting pass now, m more rows verified next step
-            passes = sum(model.draft(rows) for rows in draft_passes(self.method, [1] * m))  # none for n-gram
-            backlog = model.feed(m * PROBE_INTERVAL) if self.method in DEFERRED_FEED_METHODS else 0.0
+            passes = sum(model.draft(rows) for rows in self.method.draft_passes([1] * m))  # none for n-gram
+            backlog = model.feed(m * PROBE_INTERVAL) if self.method.defers_feed else 0.0
             return model.forward(real_rows + m, seqs, False) - plain + passes + backlog
 
         # Unspent credit carries over, up to an interval's earnings and one probe: where a single
@@ -263,20 +263,20 @@ class SpeculationLengthController:
 
 
 class _DraftCost:
-    """The drafting passes' seconds as drafts are handed out one at a time (``step_time.draft_passes``,
+    """The drafting passes' seconds as drafts are handed out one at a time (``SpeculativeMethod.draft_passes``,
     kept incrementally); ``pass_s[r]``: one pass over r rows."""
 
-    def __init__(self, method: str, pass_s: list[float]):
+    def __init__(self, method: SpeculativeMethod, pass_s: list[float]):
         self.method, self.pass_s = method, pass_s
-        self.rows = 0  # dflash: rows of the one block pass
+        self.rows = 0  # block drafting: rows of the one block pass
         self.pass_rows: list[int] = []  # chains: rows of pass j
         self.seconds = 0.0
 
     def add(self, k_before: int) -> None:
         """One more draft for a request that had ``k_before``."""
-        if self.method == "ngram":
+        if self.method.drafting == LOOKUP:
             return
-        if self.method == "dflash":
+        if self.method.drafting == BLOCK:
             old = self.rows
             self.rows += 2 if k_before == 0 else 1
             self.seconds += self.pass_s[self.rows] - self.pass_s[old]

@@ -24,7 +24,7 @@ import pytest
 from tests.models.test_eagle3 import write_eagle3
 from tests.models.test_mtp import write_mtp
 from tpspec import LLM, SamplingParams
-from tpspec.spec_decode.controller import SpeculationLengthController
+from tpspec.engine.speculation.controller import SpeculationLengthController
 from tpspec.spec_decode.speculator import DraftModelSpeculator
 from tpspec.worker.model_runner import ModelRunner
 
@@ -86,7 +86,7 @@ def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
         fed_rows = propose(self, seqs, sampled, wanted, *rest)
         for s, n in zip(seqs, wanted):
             if n:
-                recorded.append((s.req_id, s.state.req.num_tokens, list(s.state.draft_ids)))
+                recorded.append((s.req_id, s.req.num_tokens, list(self.speculator.drafts(s.req_id))))
         return fed_rows
 
     monkeypatch.setattr(ModelRunner, "_propose", recording)
@@ -187,22 +187,22 @@ def test_chain_head_step_without_drafts_runs_no_head(method, tiny_llama, drafter
     from tpspec.spec_decode.chain_head import ChainHeadProposer
 
     calls = []  # per propose call: (anyone proposing, every sequence sampled, head forwards)
-    propose, run = ChainHeadProposer.propose, ChainHeadProposer._run
+    propose, run = ChainHeadProposer._propose, ChainHeadProposer._run
 
     def counting_run(self, *args, **kwargs):
         calls[-1][2] += 1
         return run(self, *args, **kwargs)
 
-    def counting_propose(self, inp):
+    def counting_propose(self, inp, states):
         calls.append([any(inp.num_drafts), all(inp.sampled), 0])
-        return propose(self, inp)
+        return propose(self, inp, states)
 
     def every_other_step(self, reqs, real_rows):  # random k, and k = 0 for all on every other step
         self._step = getattr(self, "_step", 0) + 1
         return _random_ks(self, reqs, real_rows) if self._step % 2 else [0] * len(reqs)
 
     monkeypatch.setattr(ChainHeadProposer, "_run", counting_run)
-    monkeypatch.setattr(ChainHeadProposer, "propose", counting_propose)
+    monkeypatch.setattr(ChainHeadProposer, "_propose", counting_propose)
     monkeypatch.setattr(SpeculationLengthController, "_rng", random.Random(3), raising=False)
     monkeypatch.setattr(SpeculationLengthController, "_adaptive_ks", every_other_step)
     plain = _run((None, 1, False, "plain"), tiny_llama, drafters, monkeypatch, roomy=True)
@@ -221,7 +221,7 @@ def test_the_step_time_model_learns_from_the_rows_the_drafter_fed(method, tiny_l
     dear as a 60-row one, and the controller held speculation off at concurrency 1.)"""
     from tpspec.models.dflash import DFlashDraftModel
     from tpspec.spec_decode.chain_head import ChainHeadProposer
-    from tpspec.spec_decode.step_time import StepTimeModel
+    from tpspec.engine.speculation.step_time import StepTimeModel
 
     fed: list[int] = []  # per step: rows the drafter's feed ran (chain heads' refeed, DFlash's context writes)
     observed: list[int] = []  # per step: the rows the step-time model was told

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from tpspec.config import DEFAULT_MASTER_PORT, ParallelConfig
-from tpspec.distributed.fingerprint import mismatches
+from tpspec.executor.fingerprint import mismatches
 
 logger = logging.getLogger(__name__)
 

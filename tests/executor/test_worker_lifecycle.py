@@ -19,10 +19,10 @@ import time
 import psutil
 import pytest
 
-import tpspec.distributed.executor as executor_mod
-import tpspec.distributed.local_workers as local_workers_mod
+import tpspec.executor.executor as executor_mod
+import tpspec.executor.local_workers as local_workers_mod
 from tpspec import LLM, SamplingParams
-from tpspec.distributed.executor import EngineDeadError
+from tpspec.executor.executor import EngineDeadError
 
 ENGINE = dict(tensor_parallel_size=2, num_kv_blocks=64, max_model_len=128)
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -1,0 +1,21 @@
+"""The KV cache: block size and how many blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpspec.config.checks import check_int
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Number of KV blocks; None = derive from kv_cache_memory_gb.
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, 1, 1024)
+        if self.num_gpu_blocks is not None:
+            check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")

@@ -1,0 +1,233 @@
+"""CPU weight formats and the product that dispatches on them: float32 weights reordered for
+oneDNN, float16 weights through fbgemm, weights that are exactly Q4_1 or Q8_0 through tpspec's
+kernels (``layers.q4_1``, ``layers.q8_0``); packed once at load (``pack_cpu_weights``), looked up
+by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpspec.config.engine import QUANTIZATION_OPTIONS
+from tpspec.cpu_features import has_fbgemm
+from tpspec.layers import q4_1, q8_0
+
+logger = logging.getLogger(__name__)
+
+
+# CPU float32 products of up to ONEDNN_MAX_ROWS rows (decode steps, speculative verification,
+# draft blocks, small batches) run through oneDNN's matmul on the weight reordered once into its
+# blocked layout (``torch.ops.mkldnn``, what inductor uses for frozen CPU weights): MKL's X·Aᵀ
+# re-reads a weight poorly at few rows, the reordered one streams 1.5-3x faster there
+# (benchmarks/bench_linear_rows.py; AVX-512 and AVX2 alike). oneDNN builds and keeps a kernel per
+# (shape, row count), ~0.5 MiB each, so rows are padded up to one of ONEDNN_ROW_BUCKETS (at most
+# 25% more) and every bucket's kernel is built when the weight is reordered: memory stays flat
+# while serving. Past ONEDNN_MAX_ROWS (prefill) MKL is as fast. The cost: a second copy of the
+# float32 weights.
+ONEDNN_ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+ONEDNN_MAX_ROWS = ONEDNN_ROW_BUCKETS[-1]
+ONEDNN_PACK_ROWS = 16  # the row count the reordered layout is tuned for
+# CPU float16 products run through fbgemm's float16 GEMM (``quantized.linear_dynamic_fp16``, the
+# weight packed once): float16 weights read at half float32's bytes, widened in registers, float32
+# activations and accumulation; as fast as torch's float16 matmul at one row and 5-6x faster at 16
+# and more (benchmarks/bench_quantized_linear.py). Where it is missing (non-x86 builds) or inside
+# torch.compile, torch's float16 matmul runs up to CPU_FLOAT16_MAX_ROWS rows and float32 past them
+# (its float16 kernel falls 2.8x behind float32 at 100 rows).
+CPU_FLOAT16_MAX_ROWS = 4
+# Weights that are exactly Q4_1 or Q8_0 (quantization="q4_1"; layers.q4_1, layers.q8_0) run through
+# tpspec's kernels up to QUANTIZED_MAX_ROWS rows, where they beat fbgemm's float16 GEMM (they read
+# 0.56 or 1.06 bytes a weight against 2 but decode each row block anew); past them through that
+# float16 GEMM (benchmarks/README.md, Q4_1 weights).
+QUANTIZED_MAX_ROWS = 8
+
+
+def _row_bucket(rows: int) -> int:
+    return next(b for b in ONEDNN_ROW_BUCKETS if b >= rows)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    pad = _row_bucket(rows) - rows
+    x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if pad else out
+
+
+def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)  # float32 out
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    # "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16 model's own, or a
+    # float32 model's with quantization="fp16"), "q4_1" or "q8_0" (a float32 weight that is exactly
+    # Q4_1 or Q8_0, with quantization="q4_1")
+    format: str
+    data: object  # the library's packed weight; for "q4_1" and "q8_0", (Q4_1Weight or Q8_0Weight, fbgemm's float16 one)
+
+
+# Read once: torch.compile cannot trace the library checks (a graph break in every layer).
+_HAS_ONEDNN = torch.backends.mkldnn.is_available()
+_HAS_FBGEMM = has_fbgemm()
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and (
+        w.dtype == torch.float32 and _HAS_ONEDNN or w.dtype == torch.float16 and _HAS_FBGEMM
+    )
+
+
+def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
+    """``w`` packed in ``fmt``; "q4_1" gives "q8_0" where ``w`` is exactly Q8_0 instead, "fp16"
+    where it is neither."""
+    if fmt == "q4_1":
+        fp16 = _pack(w, "fp16")
+        for name, quantize_exact in (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact)):
+            exact = quantize_exact(w.detach())
+            if exact is not None:
+                return PackedWeight(name, (exact, fp16.data))
+        return fp16
+    if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
+        return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None))
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
+    with torch.inference_mode():
+        for rows in ONEDNN_ROW_BUCKETS:  # build every bucket's kernel now
+            torch.ops.mkldnn._linear_pointwise(w.new_zeros(rows, w.shape[1]), packed, None, "none", [], "")
+    return PackedWeight(fmt, packed)
+
+
+# weight.data_ptr() -> (the weight, its _version when packed, the packed weight). Keyed by address,
+# not by module, so that the custom op below, which gets only tensors, finds it too; an entry is
+# used only while its weight lives with the same storage, shape, dtype and version.
+_PACKED: dict[int, tuple[weakref.ref, int, PackedWeight]] = {}
+
+
+def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | None:
+    """``w`` packed for its CPU kernel: in ``fmt`` if given (``pack_cpu_weights``), else in the
+    format it was packed in last, else its dtype's (float32: oneDNN, float16: fbgemm). Packed on
+    first use, again (same format) when the weight changes; None where the plain kernel applies
+    (not a CPU float32/float16 weight, or the library missing)."""
+    if not _packable(w):
+        return None
+    entry = _PACKED.get(w.data_ptr())
+    if entry is not None:
+        ref, version, packed = entry
+        t = ref()
+        if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype:
+            if t._version == version and (fmt in (None, packed.format) or fmt == "q4_1" and packed.format in ("q8_0", "fp16")):
+                return packed
+            fmt = fmt or packed.format
+    packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
+    key = w.data_ptr()
+    _PACKED[key] = (weakref.ref(w, lambda ref, key=key: _forget(key, ref)), w._version, packed)
+    return packed
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A packed weight's tensor died: drop its entry, unless a newer weight took its address."""
+    if _PACKED.get(key, (None,))[0] is ref:
+        del _PACKED[key]
+
+
+@torch.library.custom_op("tpspec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` through ``weight``'s packed kernel, as one opaque op: what a ``torch.compile``d
+    graph calls, so it fuses the elementwise work around the products and keeps the packed kernels.
+    x: [num_rows, in_features] -> [num_rows, out_features]."""
+    return linear(x, weight, bias, packed_weight_of(weight))
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+class PackedCPUWeight:
+    """A layer whose CPU ``weight`` runs through its packed kernel (``packed_weight_of``)."""
+
+    weight: nn.Parameter
+
+    def packed_weight(self) -> PackedWeight | None:
+        return packed_weight_of(self.weight)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x·Wᵀ (+ bias) through the packed kernel, inside a ``torch.compile``d graph too.
+        x: [num_rows, in_features] -> [num_rows, out_features]."""
+        if torch.compiler.is_compiling():
+            if _packable(self.weight):
+                return torch.ops.tpspec.packed_linear(x, self.weight, bias)
+            return linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self.packed_weight())
+
+
+def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
+    """Pack every such layer's weight now (at load), not in the first request's forward; with
+    ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
+    exactly Q4_1 or Q8_0 in their kernels' (and in float16 for more rows), the rest in float16; logs how
+    many weights each format got."""
+    formats = collections.Counter()
+    for module in model.modules():
+        if isinstance(module, PackedCPUWeight):
+            w = module.weight
+            quantized = quantization in ("fp16", "q4_1") and w.dtype == torch.float32 and _packable(w) and _HAS_FBGEMM
+            packed = packed_weight_of(w, quantization if quantized else None)
+            formats[packed.format if packed is not None else str(w.dtype).removeprefix("torch.")] += 1
+    if formats:
+        logger.info("%s: linear weights by format: %s", type(model).__name__,
+                    ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common()))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the Q4_1 and
+    Q8_0 kernels up to ``QUANTIZED_MAX_ROWS`` rows, fbgemm for float16 weights, oneDNN for float32 up to
+    ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows
+    goes through float32 (exact upcasts, float32 accumulation either way) and is rounded back to
+    float16.
+    x: [num_rows, in_features] -> [num_rows, out_features]."""
+    if packed is not None:
+        if packed.format in ("q4_1", "q8_0"):
+            quantized, fp16 = packed.data
+            if x.shape[0] > QUANTIZED_MAX_ROWS:
+                return _fbgemm_float16_linear(x, fp16, bias)
+            out = (q4_1.q4_1_linear if packed.format == "q4_1" else q8_0.q8_0_linear)(x, quantized)
+            return out if bias is None else out + bias
+        if packed.format == "fp16":
+            return _fbgemm_float16_linear(x, packed.data, bias)
+        if x.shape[0] <= ONEDNN_MAX_ROWS:
+            return _onednn_linear(x, packed.data, bias)
+    if weight.dtype == torch.float16 and weight.device.type == "cpu" and x.shape[0] > CPU_FLOAT16_MAX_ROWS:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.float16)
+    return F.linear(x, weight, bias)
+
+
+def resolve_quantization(quantization: str | None, dtype: str, device_type: str) -> str | None:
+    """``auto`` means, for a float32 model on a CPU whose torch has fbgemm, "q4_1" where tpspec's
+    CPU kernels build (AVX2, FMA, F16C and a C++ compiler; ``layers.cpu_kernels``), else "fp16";
+    elsewhere None. "q4_1" keeps weights that are exactly Q4_1 (the default model's layers) 4-bit
+    and multiplies them exactly (up to summation order) up to 8 rows a product, through the "fp16"
+    copy past that, so it is never further from float32 than "fp16": on the default model it decoded
+    one sequence 1.25-1.31x as fast as "fp16" on an AVX2 CPU, and "fp16" 1.86x as fast as float32
+    weights (benchmarks/README.md: CPU kernels; float16 weights). The bound either is held to:
+    at least 28 of 32 greedy 64-token HumanEval sequences identical to float32's and chosen-token
+    logprobs within 0.05 nats (``benchmarks/dtype_agreement.py``). ``none`` (or None): off."""
+    if quantization is not None and quantization not in QUANTIZATION_OPTIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS}, got {quantization!r}")
+    if quantization == "auto":
+        from tpspec.cpu_features import has_fbgemm
+
+        if device_type != "cpu" or dtype != "float32" or not has_fbgemm():
+            return None
+        from tpspec.layers import cpu_kernels
+
+        return "q4_1" if cpu_kernels.unavailable() is None else "fp16"
+    return None if quantization == "none" else quantization
