@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from tpspec.sample.sampler import SamplingMetadata
@@ -42,7 +43,7 @@ def test_gather_equals_building_from_the_params():
             continue
         rows = [rng.choice(sorted(requests)) for _ in range(rng.randint(1, 10))]
         positions = [rng.randint(0, 500) for _ in rows]
-        gathered = states.gather(torch.tensor([states.slot_of[r] for r in rows]), torch.tensor(positions))
+        gathered = states.gather(np.array([states.slot_of[r] for r in rows]), torch.tensor(positions))
         built = SamplingMetadata.from_params([requests[r][0] for r in rows], [requests[r][1] for r in rows], positions)
         _equal(gathered, built)
     assert len(states) == len(requests)
@@ -53,6 +54,7 @@ def test_slots_are_reused_lowest_first():
     assert [states.add(r, SamplingParams(), 0) for r in "ab"] == [0, 1]
     states.remove("a")
     assert states.add("c", SamplingParams(), 0) == 0
-    assert states.add("d", SamplingParams(), 0) == 2 and states.temperature.shape[0] == 4
+    assert states.add("d", SamplingParams(), 0) == 2  # a third request past 2 slots: they doubled
+    assert states.add("e", SamplingParams(), 0) == 3
     states.remove("unknown")  # a request the rank never saw: nothing happens
-    assert len(states) == 3
+    assert len(states) == 4

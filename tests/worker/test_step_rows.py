@@ -20,11 +20,12 @@ def _seq(i: int, start: int, tokens: int, num_spec: int, sample: bool) -> Schedu
 
 def test_row_maps_equal_the_loops():
     rng = random.Random(0)
-    for _ in range(50):
+    for case in range(60):
         seqs = []
+        plain = case % 3 == 0  # decodes and last prefill chunks only (no drafts): a row each
         for i in range(rng.randint(1, 8)):
-            num_spec = rng.randint(0, 4)
-            sample = num_spec > 0 or rng.random() < 0.7  # drafts are only verified by a sampling sequence
+            num_spec = 0 if plain else rng.randint(0, 4)
+            sample = plain or num_spec > 0 or rng.random() < 0.7  # drafts are only verified by a sampling sequence
             seqs.append(_seq(i, rng.randint(0, 50), num_spec + rng.randint(1, 6), num_spec, sample))
         slot_of = {s.req_id: rng.randint(0, 99) for s in seqs}
         rows = StepRows.of(seqs, slot_of)

@@ -41,6 +41,12 @@ def to_int64(seed: int) -> int:
     return (seed - _INT64_MIN) % 2**64 + _INT64_MIN
 
 
+_METADATA_TENSORS = (
+    ("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32), ("min_p", torch.float32),
+    ("seeds", torch.int64), ("positions", torch.int64),
+)
+
+
 @dataclass(frozen=True)
 class SamplingMetadata:
     """Per-row sampling settings of one batch, as tensors on the logits' device."""
@@ -58,13 +64,9 @@ class SamplingMetadata:
 
     def __post_init__(self) -> None:
         rows = self.temperature.shape
-        expected = {
-            "temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32,
-            "min_p": torch.float32, "seeds": torch.int64, "positions": torch.int64,
-        }
-        for name, dtype in expected.items():
+        for name, dtype in _METADATA_TENSORS:
             t = getattr(self, name)
-            if t.dim() != 1 or t.shape != rows or t.dtype != dtype:
+            if t.shape != rows or t.dtype != dtype or len(rows) != 1:
                 raise ValueError(
                     f"{name} must be a [rows] {dtype} tensor with rows={tuple(rows)}, "
                     f"got shape {tuple(t.shape)} dtype {t.dtype}"

@@ -1,9 +1,12 @@
-"""Per-request sampling parameters kept on every rank in slot-indexed tensors, as vLLM's Model
+"""Per-request sampling parameters kept on every rank in slot-indexed arrays, as vLLM's Model
 Runner V2 keeps its ``SamplingStates``: written once when the rank admits a request, read each
-step by one gather over the step's rows (``gather``), never rebuilt from Python lists."""
+step by one gather over the step's rows (``gather``), never rebuilt from Python lists. The
+arrays live on the host (NumPy): a gather of a few rows there costs a microsecond or two, where
+a torch op on tensors this small costs tens; the gathered rows then go to the device."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tpspec.sample.sampler import SamplingMetadata, to_int64
@@ -17,39 +20,35 @@ class SamplingStates:
         self.device = torch.device(device)
         self.slot_of: dict[str, int] = {}
         self._free: list[int] = []
+        self._floats = np.zeros((0, 3), dtype=np.float32)  # [slots, (temperature, top_p, min_p)]
+        self._ints = np.zeros((0, 2), dtype=np.int64)  # [slots, (top_k, seed)]
+        self._greedy = np.zeros(0, dtype=bool)  # [slots] temperature 0
+        self._filtered = np.zeros(0, dtype=bool)  # [slots] top-k, top-p or min-p on
+        self._logprobs = np.zeros(0, dtype=np.int64)  # [slots] top logprobs asked for, -1 = none
         self._allocate(num_slots)
 
     def _allocate(self, num_slots: int) -> None:
-        old = getattr(self, "temperature", None)
-        start = 0 if old is None else old.shape[0]
-
-        def grown(name: str, dtype: torch.dtype, fill: float | int) -> torch.Tensor:
-            t = torch.full((num_slots,), fill, dtype=dtype, device=self.device)
-            if old is not None:
-                t[:start] = getattr(self, name)
-            return t
-
-        self.temperature = grown("temperature", torch.float32, 0.0)  # [slots], 0 = greedy
-        self.top_k = grown("top_k", torch.int64, 0)  # [slots], 0 = off
-        self.top_p = grown("top_p", torch.float32, 1.0)  # [slots], 1 = off
-        self.min_p = grown("min_p", torch.float32, 0.0)  # [slots], 0 = off
-        self.seeds = grown("seeds", torch.int64, 0)  # [slots]
-        self.logprobs = grown("logprobs", torch.int64, -1)  # [slots] top logprobs asked for, -1 = none
+        start = self._floats.shape[0]
+        grow = num_slots - start
+        self._floats = np.concatenate([self._floats, np.tile(np.array([[0.0, 1.0, 0.0]], dtype=np.float32), (grow, 1))])
+        self._ints = np.concatenate([self._ints, np.zeros((grow, 2), dtype=np.int64)])
+        self._greedy = np.concatenate([self._greedy, np.ones(grow, dtype=bool)])
+        self._filtered = np.concatenate([self._filtered, np.zeros(grow, dtype=bool)])
+        self._logprobs = np.concatenate([self._logprobs, np.full(grow, -1, dtype=np.int64)])
         self._free += range(num_slots - 1, start - 1, -1)  # lowest slot first
 
     def add(self, req_id: str, params: SamplingParams, seed: int) -> int:
         """Write the request's parameters into a free slot; returns the slot."""
         if not self._free:
-            self._allocate(2 * self.temperature.shape[0])
+            self._allocate(2 * self._floats.shape[0])
         slot = self._free.pop()
         self.slot_of[req_id] = slot
-        # Through float32 tensors, as SamplingMetadata.from_params rounds them (a huge temperature is inf).
-        self.temperature[slot] = torch.tensor(params.temperature, dtype=torch.float32)
-        self.top_k[slot] = params.top_k
-        self.top_p[slot] = torch.tensor(params.top_p, dtype=torch.float32)
-        self.min_p[slot] = torch.tensor(params.min_p, dtype=torch.float32)
-        self.seeds[slot] = to_int64(seed)
-        self.logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        # Through a float32 tensor, as SamplingMetadata.from_params rounds them (a huge temperature is inf).
+        self._floats[slot] = torch.tensor([params.temperature, params.top_p, params.min_p], dtype=torch.float32).numpy()
+        self._ints[slot] = (params.top_k, to_int64(seed))
+        self._greedy[slot] = params.is_greedy
+        self._filtered[slot] = params.top_k != 0 or params.top_p != 1.0 or params.min_p != 0.0
+        self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         return slot
 
     def remove(self, req_id: str) -> None:
@@ -62,18 +61,17 @@ class SamplingStates:
 
     def gather(
         self,
-        slots: torch.Tensor,  # [rows] int64, the slot of each row's request
+        slots: np.ndarray,  # [rows] int64, the slot of each row's request
         positions: torch.Tensor,  # [rows] int64, the position of the token each row samples
     ) -> SamplingMetadata:
-        """The sampling metadata of a step's rows: one gather per parameter."""
-        temperature = self.temperature.index_select(0, slots)
-        top_k, top_p, min_p = (t.index_select(0, slots) for t in (self.top_k, self.top_p, self.min_p))
-        logprobs = int(self.logprobs.index_select(0, slots).max()) if slots.numel() else -1
-        greedy = temperature == 0
+        """The sampling metadata of a step's rows: one gather per parameter block."""
+        floats = torch.from_numpy(self._floats[slots]).to(self.device)  # [rows, 3]
+        ints = torch.from_numpy(self._ints[slots]).to(self.device)  # [rows, 2]
+        greedy = self._greedy[slots]
+        logprobs = int(self._logprobs[slots].max()) if slots.shape[0] else -1
         return SamplingMetadata(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            seeds=self.seeds.index_select(0, slots), positions=positions,
-            max_num_logprobs=None if logprobs < 0 else logprobs,
+            temperature=floats[:, 0], top_p=floats[:, 1], min_p=floats[:, 2], top_k=ints[:, 0], seeds=ints[:, 1],
+            positions=positions, max_num_logprobs=None if logprobs < 0 else logprobs,
             all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()),
-            no_top_k_top_p_min_p=not bool(((top_k != 0) | (top_p != 1.0) | (min_p != 0.0)).any()),
+            no_top_k_top_p_min_p=not bool(self._filtered[slots].any()),
         )

@@ -268,9 +268,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[index], site)  # [rows, vocab]
         comm.count_rows(site, rows.num_rows)
         # The step's one sampling metadata: a gather from the slot-indexed states; drafting indexes it.
-        meta = self.sampling_states.gather(
-            torch.from_numpy(rows.slots).to(self.device), torch.from_numpy(rows.positions).to(self.device)
-        )
+        meta = self.sampling_states.gather(rows.slots, torch.from_numpy(rows.positions).to(self.device))
         if self.rejection_sampler is None or not rows.num_spec.any():
             # No drafts to verify: the Sampler, which is what verification of k = 0 draws.
             # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.

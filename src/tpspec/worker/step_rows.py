@@ -14,8 +14,12 @@ from tpspec.worker.request_state import ScheduledSeq
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The concatenation of ``range(s, s + c)`` for each (s, c): [counts.sum()] int64."""
-    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.repeat(starts, counts) + offsets
+    return np.repeat(starts, counts) + _offsets(counts)
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """0 … c − 1 for each c, concatenated: [counts.sum()] int64."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 @dataclass(frozen=True)
@@ -40,15 +44,22 @@ class StepRows:
     @classmethod
     def of(cls, seqs: Sequence[ScheduledSeq], slot_of: Mapping[str, int]) -> "StepRows":
         n = len(seqs)
-        num_tokens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-        start_pos = np.fromiter((s.start_pos for s in seqs), np.int64, n)
-        num_spec = np.fromiter((s.num_spec for s in seqs), np.int64, n)
-        sampling = np.flatnonzero(np.fromiter((s.sample for s in seqs), bool, n))
-        counts = num_spec[sampling] + 1  # per sampling sequence: each draft position and the bonus position
-        ends = np.cumsum(num_tokens)[sampling]
-        hidden_rows = _ranges(ends - counts, counts)
-        positions = _ranges(start_pos[sampling] + num_tokens[sampling] - counts + 1, counts)
-        slots = np.repeat(np.fromiter((slot_of[seqs[i].req_id] for i in sampling), np.int64, len(sampling)), counts)
-        last_row = np.full(n, -1, dtype=np.int64)
-        last_row[sampling] = np.cumsum(counts) - 1
+        per_seq = np.array([(len(s.token_ids), s.start_pos, s.num_spec, s.sample, slot_of[s.req_id]) for s in seqs],
+                           dtype=np.int64).reshape(n, 5)  # [seqs, 5]
+        num_tokens, start_pos, num_spec, sample, slot = per_seq.T
+        sampling = np.flatnonzero(sample)
+        if sampling.shape[0] == n and not num_spec.any():  # decodes and last chunks only: a row each
+            hidden_rows = np.cumsum(num_tokens) - 1
+            positions = start_pos + num_tokens
+            slots = slot.copy()
+            last_row = np.arange(n, dtype=np.int64)
+        else:  # per sampling sequence: each draft position and the bonus position
+            counts = num_spec[sampling] + 1
+            ends = np.cumsum(num_tokens)[sampling]
+            offsets = _offsets(counts)
+            hidden_rows = np.repeat(ends - counts, counts) + offsets
+            positions = np.repeat(start_pos[sampling] + num_tokens[sampling] - counts + 1, counts) + offsets
+            slots = np.repeat(slot[sampling], counts)
+            last_row = np.full(n, -1, dtype=np.int64)
+            last_row[sampling] = np.cumsum(counts) - 1
         return cls(num_tokens, start_pos, num_spec, sampling, hidden_rows, positions, slots, last_row)
