@@ -2,12 +2,13 @@
 set-up): logits equal transformers' on the same GGUF file, over a prompt longer than the 512-token
 sliding window too; greedy generation across the window's edge equals transformers'; TP 2 equals
 TP 1 (greedy and seeded); the flag's argmax equals the gathered one at vocab 262,144, ties
-included; greedy speculation (the model drafting for itself, and the shipped DFlash drafter)
-equals plain decoding with the flag on and off, and draft selection moves 4 × 262,144 bytes per
-row without the flag and 8 × TP with it.
+included; greedy speculation with the shipped DFlash drafter equals plain decoding with the flag
+on and off, and draft selection moves 4 × 262,144 bytes per row without the flag and 8 × TP with
+it.
 
 The tiny random Gemma 3 (``tiny_gemma3``) covers the same code at TP 1, 2 and 4 in
-test_reference_parity.py, with every Gemma-specific feature away from its neutral value."""
+test_reference_parity.py, with every Gemma-specific feature away from its neutral value, and
+drafting for itself at TP 2, flag on and off, in tests/spec_decode/test_spec_engine.py."""
 
 from __future__ import annotations
 
@@ -139,19 +140,6 @@ def test_top_tokens_equal_the_gathered_argmax_at_tp2(folder):
     for top, argmax in run_distributed(_top_tokens_vs_argmax, 2, folder, timeout=300):
         assert top == argmax
         assert top[3] == 0  # the tie goes to the lowest id, as argmax does
-
-
-@pytest.mark.parametrize("flag", [False, True])
-def test_greedy_speculation_equals_plain_and_counts_draft_bytes(folder, prompts, flag):
-    """The model drafting for itself (``draft_model``) at TP 2."""
-    spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 3, "adaptive": False,
-            "use_local_argmax_reduction": flag}
-    with LLM(folder, tensor_parallel_size=2, max_model_len=256, speculative_config=spec) as llm:
-        out = llm.generate([prompts["short"]], GREEDY, use_tqdm=False)[0]
-        stats = llm.get_stats()
-    assert out.outputs[0].token_ids == _generate(folder, 1, prompts, GREEDY)[0]
-    assert stats["num_accepted_tokens"] > 0
-    assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * VOCAB)
 
 
 @pytest.mark.parametrize("flag", [False, True])

@@ -121,11 +121,18 @@ def test_the_most_drafts_default_to_what_the_drafter_was_trained_for(tiny_llama)
     says nothing, so there it stays required. Resolved before any worker starts."""
     from tpspec.engine.engine_args import EngineArgs
 
+    def resolved(spec, model=None):
+        return EngineArgs(model=model, speculative_config=spec).create_engine_config("cpu").speculative
+
     def k(spec, model=None):
-        return EngineArgs(model=model, speculative_config=spec).create_engine_config("cpu").speculative.num_speculative_tokens
+        return resolved(spec, model).num_speculative_tokens
 
     assert SpeculativeConfig.from_dict({"method": "eagle3"}).num_speculative_tokens == 6
     assert k({"method": "eagle3"}) == 6 and k({"method": "eagle"}) == 6
+    # The alias is the same row: the same shipped head, the same speculator.
+    eagle, eagle3 = resolved({"method": "eagle"}), resolved({"method": "eagle3"})
+    assert eagle.model == eagle3.model and eagle.model.endswith("smollm2-135m-eagle3")
+    assert eagle.method_spec is eagle3.method_spec
     assert k({"method": "dflash"}) == 15
     assert k({"method": "dflash", "num_speculative_tokens": 4}) == 4
     with pytest.raises(ValueError, match=r"num_speculative_tokens is required for method 'draft_model'"):

@@ -283,6 +283,20 @@ def test_acceptance_and_spec_metrics(case, models):
         assert per_pos[1] > 0  # some rounds accept two drafts or more, then reject
 
 
+def test_gemma3_drafting_for_itself_is_lossless_at_tp2(tiny_gemma3):
+    """Gemma 3's soft-capped, scaled LM head as a draft model for itself, flag on and off (the
+    real 270M model covers vocab 262,144 with its shipped DFlash drafter, tests/models/test_gemma3.py)."""
+    with LLM(tiny_gemma3, tensor_parallel_size=2, **ENGINE) as llm:
+        plain = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    for flag in (False, True):
+        spec = dict(_draft("gemma3", flag), model=tiny_gemma3)
+        with LLM(tiny_gemma3, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
+            assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain
+            stats = llm.get_stats()
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0  # drafting for itself: all accepted
+        assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * PADDED_VOCAB)
+
+
 # ---- communication: the flag never gathers full draft logits -------------------------------------
 
 
