@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+
 import torch
 from tqdm import tqdm
 
@@ -30,8 +31,8 @@ from tpspec.spec_decode.speculator import DraftInput, Speculator, target_feature
 from tpspec.spec_decode.step_profile import profile_context, profile_grid
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
 from tpspec.worker.request_state import RequestStates, ScheduledSeq
-from tpspec.worker.step_rows import StepRows
 from tpspec.worker.step import NewRequest, StepInput, StepOutput, TokenLogprobs
+from tpspec.worker.step_rows import StepRows
 
 logger = logging.getLogger(__name__)
 

@@ -116,8 +116,5 @@ class RequestStates:
         request ended (the runner then forgets it)."""
         return any(req.append(token) for token in tokens)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self.requests
-
     def __len__(self) -> int:
         return len(self.requests)
