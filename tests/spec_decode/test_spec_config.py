@@ -45,6 +45,7 @@ BAD = [
     ("flag-int", _with(DRAFT, use_local_argmax_reduction=1), "use_local_argmax_reduction", "1"),
     ("bad-method", _with(DRAFT, method="medusa"), "method", "'medusa'"),
     ("method-case", _with(NGRAM, method="NGRAM"), "method", "'NGRAM'"),
+    ("method-list", _with(NGRAM, method=["ngram"]), "method", "['ngram']"),
     ("flag-with-ngram", _with(NGRAM, use_local_argmax_reduction=True), "use_local_argmax_reduction", "true"),
     ("model-with-ngram", _with(NGRAM, model="/some/draft"), "model", "'/some/draft'"),
     ("draft-tp-with-ngram", _with(NGRAM, draft_tensor_parallel_size=1), "draft_tensor_parallel_size", "1"),

@@ -110,10 +110,10 @@ def method_names() -> tuple[str, ...]:
 
 def get_method(name: str) -> SpeculativeMethod:
     """The method ``speculative_config.method = name`` means (aliases resolved)."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"speculative_config.method must be one of {method_names()}, got {name!r}") from None
+    method = METHODS.get(name) if isinstance(name, str) else None
+    if method is None:
+        raise ValueError(f"speculative_config.method must be one of {method_names()}, got {name!r}")
+    return method
 
 
 register_method(SpeculativeMethod(
