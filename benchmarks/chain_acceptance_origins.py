@@ -75,21 +75,22 @@ def main(argv=None) -> int:
     from tpspec.models.loader.resolve import resolve_model
     from tpspec.sampling_params import SamplingParams
     from tpspec.spec_decode.chain_head import ChainHeadProposer
-    from tpspec.spec_decode.shipped import shipped_drafter
+    from tpspec.config.speculative_methods import get_method
+    from tpspec.spec_decode.resolve import shipped_drafter
     from tpspec.train.chain_trainer import build_chain_batch
     from tpspec.train.eagle3_module import Eagle3TrainModel
     from tpspec.train.train_draft import _target_tensors
 
     k = args.k
-    head_folder = args.head or shipped_drafter("eagle3", None)
+    head_folder = args.head or shipped_drafter(get_method("eagle3"), None)
     steps: list[dict] = []  # this request's drafting steps
     propose = ChainHeadProposer.propose
 
     def traced(self, inp):
-        out = propose(self, inp)
-        steps.append({"start": inp.start_pos[0], "tokens": list(inp.token_ids[0]), "drafts": list(out.drafts[0]),
+        fed = propose(self, inp)
+        steps.append({"start": inp.start_pos[0], "tokens": list(inp.token_ids[0]), "drafts": list(self.drafts(inp.req_ids[0])),
                       "features": inp.target_features[: inp.num_context(0)].float().clone()})  # [rows, F]
-        return out
+        return fed
 
     ChainHeadProposer.propose = traced
     spec = {"method": "eagle3", "model": head_folder, "num_speculative_tokens": k, "adaptive": False}

@@ -2,7 +2,7 @@
 
 ``LLM``'s keywords, ``LLMEngine.from_args`` and the engine flags of ``tpspec generate``/``serve``
 (and the ones ``tpspec bench compare`` passes to its servers) are all built from ``EngineArgs``,
-and its defaults are the engine configs' own (``config.py``): each default lives in one place.
+and its defaults are the engine configs' own (``tpspec.config``): each default lives in one place.
 Kept free of heavy imports (the CLI parses with it); building the config loads what it needs.
 """
 
