@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpspec.sampling_params import SamplingParams
+from tpspec.worker.request_state import TokenSequence
 
 
 class RequestStatus(enum.Enum):
@@ -24,7 +25,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
-class Request:
+class Request(TokenSequence):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -42,21 +43,6 @@ class Request:
     on_token: Callable[[int], str | None] | None = field(default=None, repr=False)
     num_spec_tokens: int = 0  # drafts the ranks hold for it, verifiable in its next step
     num_blocks_on_ranks: int = -1  # how many of block_ids the ranks know; -1: the ranks have not seen it
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list."""
-        p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
     @property
     def finish_reason(self) -> str | None:

@@ -22,8 +22,6 @@ class SamplingStates:
         self._free: list[int] = []
         self._floats = np.zeros((0, 3), dtype=np.float32)  # [slots, (temperature, top_p, min_p)]
         self._ints = np.zeros((0, 2), dtype=np.int64)  # [slots, (top_k, seed)]
-        self._greedy = np.zeros(0, dtype=bool)  # [slots] temperature 0
-        self._filtered = np.zeros(0, dtype=bool)  # [slots] top-k, top-p or min-p on
         self._logprobs = np.zeros(0, dtype=np.int64)  # [slots] top logprobs asked for, -1 = none
         self._allocate(num_slots)
 
@@ -32,8 +30,6 @@ class SamplingStates:
         grow = num_slots - start
         self._floats = np.concatenate([self._floats, np.tile(np.array([[0.0, 1.0, 0.0]], dtype=np.float32), (grow, 1))])
         self._ints = np.concatenate([self._ints, np.zeros((grow, 2), dtype=np.int64)])
-        self._greedy = np.concatenate([self._greedy, np.ones(grow, dtype=bool)])
-        self._filtered = np.concatenate([self._filtered, np.zeros(grow, dtype=bool)])
         self._logprobs = np.concatenate([self._logprobs, np.full(grow, -1, dtype=np.int64)])
         self._free += range(num_slots - 1, start - 1, -1)  # lowest slot first
 
@@ -46,8 +42,6 @@ class SamplingStates:
         # Through a float32 tensor, as SamplingMetadata.from_params rounds them (a huge temperature is inf).
         self._floats[slot] = torch.tensor([params.temperature, params.top_p, params.min_p], dtype=torch.float32).numpy()
         self._ints[slot] = (params.top_k, to_int64(seed))
-        self._greedy[slot] = params.is_greedy
-        self._filtered[slot] = params.top_k != 0 or params.top_p != 1.0 or params.min_p != 0.0
         self._logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         return slot
 
@@ -65,13 +59,14 @@ class SamplingStates:
         positions: torch.Tensor,  # [rows] int64, the position of the token each row samples
     ) -> SamplingMetadata:
         """The sampling metadata of a step's rows: one gather per parameter block."""
-        floats = torch.from_numpy(self._floats[slots]).to(self.device)  # [rows, 3]
-        ints = torch.from_numpy(self._ints[slots]).to(self.device)  # [rows, 2]
-        greedy = self._greedy[slots]
+        floats, ints = self._floats[slots], self._ints[slots]  # [rows, 3], [rows, 2]
+        greedy = floats[:, 0] == 0.0
+        filtered = (ints[:, 0] != 0) | (floats[:, 1] != 1.0) | (floats[:, 2] != 0.0)
         logprobs = int(self._logprobs[slots].max()) if slots.shape[0] else -1
+        f, i = torch.from_numpy(floats).to(self.device), torch.from_numpy(ints).to(self.device)
         return SamplingMetadata(
-            temperature=floats[:, 0], top_p=floats[:, 1], min_p=floats[:, 2], top_k=ints[:, 0], seeds=ints[:, 1],
+            temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], top_k=i[:, 0], seeds=i[:, 1],
             positions=positions, max_num_logprobs=None if logprobs < 0 else logprobs,
             all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()),
-            no_top_k_top_p_min_p=not bool(self._filtered[slots].any()),
+            no_top_k_top_p_min_p=not bool(filtered.any()),
         )

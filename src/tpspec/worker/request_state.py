@@ -13,22 +13,12 @@ from tpspec.sampling_params import SamplingParams
 from tpspec.worker.step import NewRequest, SeqStep
 
 
-@dataclass
-class RankRequest:
-    """The rank's own record of a request."""
+class TokenSequence:
+    """A request's tokens, prompt then output: what the driver's ``Request`` and the rank's
+    ``RankRequest`` both read (they keep ``prompt_token_ids`` and ``output_token_ids``)."""
 
-    req_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int  # the request's own seed, or the one the engine drew for it
-    max_tokens: int  # effective: sampling_params.max_tokens capped by max_model_len
-    eos_token_ids: frozenset[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-
-    @classmethod
-    def from_new(cls, new: NewRequest) -> "RankRequest":
-        return cls(new.req_id, list(new.prompt_token_ids), new.params, new.seed, new.max_tokens, new.eos_token_ids)
+    output_token_ids: list[int]
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +34,24 @@ class RankRequest:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
+
+
+@dataclass
+class RankRequest(TokenSequence):
+    """The rank's own record of a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own seed, or the one the engine drew for it
+    max_tokens: int  # effective: sampling_params.max_tokens capped by max_model_len
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, new: NewRequest) -> "RankRequest":
+        return cls(new.req_id, list(new.prompt_token_ids), new.params, new.seed, new.max_tokens, new.eos_token_ids)
 
     def append(self, token_id: int) -> bool:
         """Append an output token; whether it ends the request (``SamplingParams.stop_for_token``)."""
