@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/tpspec generate
 
+# Two pytest workers (one per core; each file stays on one worker, so its shared engines and
+# fixtures are built once), then the tests that time processes against the clock, alone.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 bench: install
 	$(BIN)/python benchmarks/bench_generate.py

@@ -7,6 +7,36 @@ import os
 
 import pytest
 
+# Under pytest-xdist (make test) two workers share the two cores: one intra-op thread each, for
+# this process and the TP workers it starts (threads_per_rank reads OMP_NUM_THREADS).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+# The longest files first (they would otherwise finish last, on one worker, while the other idles):
+# each is scheduled as a whole (--dist loadfile) in this order, the rest in collection order.
+LONGEST_FILES = (
+    "tests/models/test_gemma3.py",
+    "tests/spec_decode/test_spec_engine.py",
+    "tests/spec_decode/test_rejection_sampler.py",
+    "tests/spec_decode/test_shipped_drafters.py",
+    "tests/engine/speculation/test_speculation_length.py",
+    "tests/distributed/test_tp_generation.py",
+    "tests/distributed/test_sharding_invariance.py",
+    "tests/engine/test_reference_generation.py",
+    "tests/spec_decode/test_vocab_parallel_rejection.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: each file keeps its own order
+
 TINY = dict(
     hidden_size=96,
     intermediate_size=128,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import traceback
 
 import torch
@@ -23,6 +24,7 @@ def _entry(fn, rank, world_size, init_method, args, queue, received):
         # A tensor in the queue travels as a shared-memory file descriptor that this process
         # hands over when the parent unpickles it: stay alive until the parent has them all.
         received.wait(60)
+        os._exit(0)  # skip the interpreter's teardown (~0.4 s with torch loaded): nothing is left to flush
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120):

@@ -32,6 +32,8 @@ from tpspec.distributed.parallel_state import get_state
 
 from tests.server.utils import ServerProcess, metrics, open_stream, request
 
+pytestmark = pytest.mark.serial  # runs alone (wall-clock bounds: see the serial marker in pyproject.toml)
+
 ENGINE = dict(num_kv_blocks=64, max_model_len=128)
 ENGINE_FLAGS = ["--num-kv-blocks", "64", "--max-model-len", "128"]
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The quick brown", "import"]

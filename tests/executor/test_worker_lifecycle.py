@@ -24,6 +24,8 @@ import tpspec.executor.local_workers as local_workers_mod
 from tpspec import LLM, SamplingParams
 from tpspec.executor.executor import EngineDeadError
 
+pytestmark = pytest.mark.serial  # runs alone (wall-clock bounds: see the serial marker in pyproject.toml)
+
 ENGINE = dict(tensor_parallel_size=2, num_kv_blocks=64, max_model_len=128)
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -59,15 +59,31 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen3", "tiny_gemma3"])
+MODELS = ["tiny_llama", "tiny_llama_tied", "tiny_qwen3", "tiny_gemma3"]
+
+
+def _every_models_logits(folders: list[str], prompts: list[list[int]], split: int) -> list[list[torch.Tensor]]:
+    """``_our_logits`` of each model in turn, in one process group (one start per TP size, not per model)."""
+    return [_our_logits(folder, prompts, split) for folder in folders]
+
+
+_TP_LOGITS: dict[int, dict[str, list[torch.Tensor]]] = {}
+
+
+def _tp_logits(tp: int, request) -> dict[str, list[torch.Tensor]]:
+    """Every model's logits at ``tp`` (rank 0's), computed once per TP size for the module."""
+    if tp not in _TP_LOGITS:
+        folders = [request.getfixturevalue(f) for f in MODELS]
+        _TP_LOGITS[tp] = dict(zip(MODELS, run_distributed(_every_models_logits, tp, folders, PROMPTS, 5)[0]))
+    return _TP_LOGITS[tp]
+
+
+@pytest.mark.parametrize("fixture", MODELS)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_logits_match_transformers(fixture, tp, request):
     folder = request.getfixturevalue(fixture)
     ref = _hf_logits(folder, PROMPTS)
-    if tp == 1:
-        ours = _our_logits(folder, PROMPTS, split=5)
-    else:
-        ours = run_distributed(_our_logits, tp, folder, PROMPTS, 5)[0]
+    ours = _our_logits(folder, PROMPTS, split=5) if tp == 1 else _tp_logits(tp, request)[fixture]
     for o, r in zip(ours, ref):
         assert o.shape == r.shape
         assert _rel_err(o, r) <= 1e-4

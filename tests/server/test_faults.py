@@ -21,6 +21,8 @@ pytest.importorskip("uvicorn")
 
 from .utils import ServerProcess, assert_openai_error, metrics, open_stream, request, wait_until  # noqa: E402
 
+pytestmark = pytest.mark.serial  # runs alone (wall-clock bounds: see the serial marker in pyproject.toml)
+
 KEY = "env-s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE_FLAGS = ["--tensor-parallel-size", "2", "--max-model-len", "512", "--num-kv-blocks", "160"]

@@ -26,6 +26,8 @@ from tpspec.tokenizer import Tokenizer  # noqa: E402
 from .fakes import FakeEngine  # noqa: E402
 from .utils import ServerThread, assert_openai_error, metrics, open_stream, request, wait_until  # noqa: E402
 
+pytestmark = pytest.mark.serial  # runs alone (wall-clock bounds: see the serial marker in pyproject.toml)
+
 COMPLETION = {"model": "fake", "prompt": "hello", "max_tokens": 5}
 CHAT_STREAM = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
 

@@ -25,6 +25,8 @@ pytest.importorskip("uvicorn")
 
 from .utils import ServerProcess, metrics  # noqa: E402
 
+pytestmark = pytest.mark.serial  # runs alone (wall-clock bounds: see the serial marker in pyproject.toml)
+
 NUM_REQUESTS = 1000
 WARMUP_REQUESTS = 128
 CONCURRENCY = 64

@@ -6,6 +6,8 @@ import pytest
 
 from tpspec.spec_decode.ngram import NgramProposer
 
+pytestmark = pytest.mark.serial  # runs alone (wall-clock bounds: see the serial marker in pyproject.toml)
+
 
 def reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
     """Brute force: for n = hi..lo, the latest start s < len - n with tokens[s:s+n] == suffix."""

@@ -103,6 +103,11 @@ def _worker_main(
         logging.getLogger(__name__).error("worker %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
     destroy_distributed()
+    # Told to shut down and out of the group: nothing is left to clean up, and the interpreter's
+    # own teardown (torch's modules) would add about 0.4 s to every engine shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class LocalWorkers:
