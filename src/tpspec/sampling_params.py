@@ -6,6 +6,7 @@ User errors raise ``ValueError`` naming the field, the bad value and what is all
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -41,6 +42,78 @@ def _check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
+# The constraint fields of StructuredOutputsParams: exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, shaped like vLLM's ``StructuredOutputsParams``: exactly
+    one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the output
+    is one of these strings), ``grammar`` (Lark, or llama.cpp's GBNF) and ``json_object`` (any
+    JSON object). ``disable_any_whitespace``: JSON with no whitespace between tokens (", " and
+    ": " otherwise free whitespace).
+
+    After construction ``json`` is the schema's JSON text and ``choice`` a tuple. Whether the
+    grammar engine accepts the constraint is checked when the request is added (``GrammarError``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, got "
+                f"{given if given else 'none'}"
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json must be a JSON schema, got text that is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
+            object.__setattr__(self, "json", json.dumps(schema))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that holds the constraint."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StructuredOutputsParams":
+        """From a mapping of field names to values (vLLM's request field); unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs field(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -62,6 +135,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, "only 1 is supported", lambda v: v == 1)
@@ -105,6 +179,11 @@ class SamplingParams:
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a mapping or None, got {so!r}")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

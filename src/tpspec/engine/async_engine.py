@@ -260,6 +260,10 @@ class AsyncEngine:
         stream for the outputs.
         """
         loop = asyncio.get_running_loop()
+        if params is not None and params.structured_outputs is not None and self.engine is not None:
+            # Compile the grammar here, off the engine loop (other requests keep decoding while it
+            # compiles); the engine's own check is then a cache hit. A bad one raises GrammarError.
+            await asyncio.to_thread(self.engine.check_structured_outputs, params)
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = _Stream(loop)

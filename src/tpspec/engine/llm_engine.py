@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 
@@ -21,6 +22,7 @@ from tpspec.sampling_params import SamplingParams
 from tpspec.engine.speculation.controller import PlanRequest, SpeculationLengthController
 from tpspec.engine.speculation.metrics import SpecDecodeStats
 from tpspec.engine.speculation.step_time import StepTimeModel
+from tpspec.structured.grammar import grammar_compiler
 from tpspec.tokenizer import Tokenizer
 from tpspec.worker.step import StepOutput
 
@@ -61,6 +63,7 @@ class LLMEngine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._grammar = None  # structured outputs' compiler (check_structured_outputs)
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
@@ -100,6 +103,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
         ids = check_prompt(ids, self.config.arch.vocab_size, self.config.scheduler.max_model_len)
+        self.check_structured_outputs(params)
         max_len = self.config.scheduler.max_model_len
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -115,6 +119,17 @@ class LLMEngine:
         self.stats["num_requests"] += 1
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar, if any (``GrammarError``, a ``ValueError``, naming the
+        field, if the grammar engine rejects it); later compilations of the same grammar are cache
+        hits, the ranks' in this process included. Thread-safe: the server compiles off the engine loop."""
+        if params.structured_outputs is None:
+            return
+        if self._grammar is None:  # built on first use: most engines never constrain an output
+            path = os.path.join(self.config.model, "tokenizer.json")
+            self._grammar = grammar_compiler(path, self.config.arch.vocab_size, sorted(self.eos_token_ids))
+        self._grammar.compile(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""

@@ -8,7 +8,7 @@ import torch
 
 from tpspec.distributed import comm
 from tpspec.layers.vocab_parallel import ParallelLMHead
-from tpspec.sample import vocab_parallel
+from tpspec.sample import token_bitmask, vocab_parallel
 from tpspec.sample.vocab_parallel import LogitsShard
 
 # Token ids travel as float32 next to their logit in get_top_tokens; float32 holds every integer
@@ -64,7 +64,10 @@ class LogitsProcessor:
             logits[:, num_real:] = float("-inf")  # padding columns never win
         return LogitsShard(logits, lm_head.vocab_start, self.vocab_size)
 
-    def get_top_tokens(self, lm_head: ParallelLMHead, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
+    def get_top_tokens(
+        self, lm_head: ParallelLMHead, hidden: torch.Tensor, site: str = "draft.sample",
+        bitmask: torch.Tensor | None = None, column_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> greedy token ids [num_rows] (int64), equal to
         ``compute_logits(lm_head, hidden).argmax(-1)`` on every rank, with O(tp) communication.
 
@@ -78,6 +81,19 @@ class LogitsProcessor:
         also gets the full argmax's answer (the first NaN's id). Only a shard whose columns are all
         -inf or padding can report a padding id, and then rank 0 (always real columns) wins the tie.
         Gathered bytes: 8·tp per row (none at TP 1).
+
+        ``bitmask`` ([num_rows, words] int32, structured outputs): each rank masks its own columns
+        first (no communication), so the argmax is over the allowed tokens. ``column_ids``
+        ([vocab_size] int64): the token id each vocabulary entry stands for in the bitmask, when
+        it is not the entry's own index (EAGLE-3's draft vocabulary).
         """
         check_local_argmax_vocab(self.vocab_size)
-        return vocab_parallel.argmax(self.compute_logits_shard(lm_head, hidden), site)
+        shard = self.compute_logits_shard(lm_head, hidden)
+        if bitmask is not None:
+            ids = None
+            if column_ids is not None:  # this shard's entries; padding columns stand for no token
+                ids = torch.full((shard.shard_size,), -1, dtype=torch.int64, device=column_ids.device)
+                mine = column_ids[shard.vocab_start : shard.vocab_start + shard.shard_size]
+                ids[: mine.shape[0]] = mine
+            token_bitmask.apply(shard, bitmask, ids)
+        return vocab_parallel.argmax(shard, site)

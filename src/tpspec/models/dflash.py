@@ -151,9 +151,11 @@ class DFlashDraftModel(nn.Module):
         """hidden: [rows, hidden_size] -> this rank's columns of the target's logits (vocab-parallel sampling)."""
         return self.target.compute_logits_shard(hidden)
 
-    def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
-        """hidden: [rows, hidden_size] -> [rows] int64, the target's vocab-parallel argmax."""
-        return self.target.get_top_tokens(hidden, site)
+    def get_top_tokens(
+        self, hidden: torch.Tensor, site: str = "draft.sample", bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden: [rows, hidden_size] -> [rows] int64, the target's vocab-parallel argmax (under ``bitmask``)."""
+        return self.target.get_top_tokens(hidden, site, bitmask)
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Load (checkpoint name, sliceable tensor) pairs; returns the names of our parameters loaded."""

@@ -242,11 +242,14 @@ class Eagle3LlamaForCausalLM(nn.Module):
         draft ids, so ties agree; a row of all -inf logits aside) without filling a full-vocabulary row."""
         return self.target_ids[self.logits_processor.compute_logits(self.lm_head, hidden, site).argmax(-1)]
 
-    def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
+    def get_top_tokens(
+        self, hidden: torch.Tensor, site: str = "draft.sample", bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden: [num_rows, H] -> [num_rows] int64 target ids, equal to
-        ``compute_logits(hidden).argmax(-1)`` (target ids ascend with draft ids, so ties agree),
-        gathering 8·tp bytes per row."""
-        return self.target_ids[self.logits_processor.get_top_tokens(self.lm_head, hidden, site)]
+        ``compute_logits(hidden).argmax(-1)`` (target ids ascend with draft ids, so ties agree; of
+        the target ids ``bitmask`` allows), gathering 8·tp bytes per row."""
+        draft_ids = self.logits_processor.get_top_tokens(self.lm_head, hidden, site, bitmask, self.target_ids)
+        return self.target_ids[draft_ids]
 
     # ---- loading ------------------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:

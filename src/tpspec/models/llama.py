@@ -193,10 +193,13 @@ class LlamaForCausalLM(nn.Module):
         (padding -inf), for vocab-parallel sampling. No communication."""
         return self.logits_processor.compute_logits_shard(self.lm_head, hidden)
 
-    def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
+    def get_top_tokens(
+        self, hidden: torch.Tensor, site: str = "draft.sample", bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> [num_rows] int64, equal to
-        ``compute_logits(hidden).argmax(-1)``, gathering 8·tp bytes per row instead of 4·vocab."""
-        return self.logits_processor.get_top_tokens(self.lm_head, hidden, site)
+        ``compute_logits(hidden).argmax(-1)`` (of the tokens ``bitmask`` allows), gathering 8·tp
+        bytes per row instead of 4·vocab."""
+        return self.logits_processor.get_top_tokens(self.lm_head, hidden, site, bitmask)
 
     def _target(self, name: str):
         """Map a checkpoint tensor name to (module, parameter, shard id), or None to skip it."""

@@ -185,10 +185,12 @@ class MTPModel(nn.Module):
         """hidden: [num_rows, H] -> this rank's logit columns [num_rows, shard_size]; no communication."""
         return self.logits_processor.compute_logits_shard(self.head, hidden)
 
-    def get_top_tokens(self, hidden: torch.Tensor, site: str = "draft.sample") -> torch.Tensor:
-        """hidden: [num_rows, H] -> [num_rows] int64, equal to ``compute_logits(hidden).argmax(-1)``,
-        gathering 8·tp bytes per row."""
-        return self.logits_processor.get_top_tokens(self.head, hidden, site)
+    def get_top_tokens(
+        self, hidden: torch.Tensor, site: str = "draft.sample", bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden: [num_rows, H] -> [num_rows] int64, equal to ``compute_logits(hidden).argmax(-1)``
+        (of the tokens ``bitmask`` allows), gathering 8·tp bytes per row."""
+        return self.logits_processor.get_top_tokens(self.head, hidden, site, bitmask)
 
     # ---- loading ------------------------------------------------------------------------------
     def _our_name(self, name: str) -> str | None:

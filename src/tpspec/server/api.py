@@ -37,6 +37,7 @@ from tpspec.server.limits import ServerLimits
 from tpspec.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpspec.server.middleware import APIKeyMiddleware, RequestContextMiddleware, record_error
 from tpspec.server.streaming import RequestTimer, collect_final, sse_events, sse_response
+from tpspec.structured.grammar import GrammarError
 from tpspec.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -121,11 +122,18 @@ class OpenAIServer:
         except PromptError as e:
             raise APIError(str(e), param=e.param, code=e.code) from None
 
-    async def start(self, ids: list[int], params: SamplingParams, request_id: str, request: Request) -> RequestStream:
+    async def start(
+        self, ids: list[int], params: SamplingParams, request_id: str, request: Request,
+        constraint_param: str | None = None,
+    ) -> RequestStream:
+        """Hand the request to the engine; ``constraint_param``: the request field holding its
+        structured-output constraint, which a grammar the engine rejects is reported against."""
         self.check_engine()
         request.state.log.update(completion_id=request_id, prompt_tokens=len(ids))
         try:
             return await self.engine.add_request(ids, params, request_id)
+        except GrammarError as e:
+            raise APIError(str(e), param=constraint_param) from None
         except ValueError as e:
             raise APIError(str(e)) from None
         except EngineOverloadedError:
@@ -185,7 +193,7 @@ class OpenAIServer:
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("cmpl")
         timer = RequestTimer(self.metrics, request.state.log)
-        stream = await self.start(ids, params, request_id, request)
+        stream = await self.start(ids, params, request_id, request, req.constraint_param)
         base = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         want_logprobs = params.logprobs is not None
 
@@ -233,7 +241,7 @@ class OpenAIServer:
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("chatcmpl")
         timer = RequestTimer(self.metrics, request.state.log)
-        stream = await self.start(ids, params, request_id, request)
+        stream = await self.start(ids, params, request_id, request, req.constraint_param)
         base = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         top_n = req.top_logprobs or 0
         want_logprobs = params.logprobs is not None

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tpspec.sampling_params import MAX_LOGPROBS, SamplingParams, default_of
+from tpspec.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, default_of
 
 
 class APIError(Exception):
@@ -113,6 +113,55 @@ class _SamplingFields(_Base):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _constraints(self) -> dict[str, dict[str, Any]]:
+        """The request fields that constrain the output, each as ``StructuredOutputsParams`` fields."""
+        found: dict[str, dict[str, Any]] = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise APIError("response_format.json_schema must be an object with a JSON schema in 'schema'",
+                                   param="response_format.json_schema")
+                found["response_format"] = {"json": spec["schema"]}
+            elif kind != "text":
+                raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                               param="response_format.type")
+        if self.structured_outputs is not None:
+            found["structured_outputs"] = dict(self.structured_outputs)
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found[f"guided_{name}"] = {name: value}
+        return found
+
+    @property
+    def constraint_param(self) -> str | None:
+        """The request field that holds the output's constraint (named in a grammar error)."""
+        return next(iter(self._constraints()), None)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        found = self._constraints()
+        if len(found) > 1:
+            raise APIError(f"only one of {sorted(found)} may constrain the output", param=sorted(found)[1])
+        if not found:
+            return None
+        (param, fields), = found.items()
+        try:
+            return StructuredOutputsParams.from_dict(fields)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
 
     def _check_unsupported(self) -> None:
         if self.n not in (None, 1):
@@ -141,6 +190,7 @@ class _SamplingFields(_Base):
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            structured_outputs=self._structured_outputs(),
         )
         try:
             return SamplingParams(**kwargs)
@@ -222,7 +272,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
 
     def requested_max_tokens(self) -> int | None:
@@ -232,8 +281,6 @@ class ChatCompletionRequest(_SamplingFields):
         self._check_unsupported()
         if self.tools and self.tool_choice != "none":
             raise APIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("response_format other than text is not supported", param="response_format")
         logprobs = None
         if self.top_logprobs is not None:
             if not self.logprobs:

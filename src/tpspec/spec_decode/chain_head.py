@@ -146,7 +146,7 @@ class ChainHeadProposer(DraftModelSpeculator):
             )
             return normed_next
 
-        chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance)
+        chain, chain_dists = self.draft_chain(normed, num, pos, inp.sampling, advance, self.grammars_of(inp, rows))
         for r, i in enumerate(rows):
             states[i].draft_ids, states[i].draft_dists = chain[r], chain_dists[r]
         return len(positions)

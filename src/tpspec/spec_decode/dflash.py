@@ -161,6 +161,10 @@ class DFlashSpeculator(DraftModelSpeculator):
             sampling = inp.sampling.select(torch.tensor([proposing[rows[r]] for r in which], device=device),
                                            torch.tensor([s + j for s, n in zip(starts, lens) for j in range(1, n)],
                                                         device=device))
+        grammars = self.grammars_of(inp, rows)
+        if grammars is not None and any(g is not None for g in grammars):
+            self._sample_under_grammars(hidden, draft_rows, sampling, lens, grammars, [states[i] for i in rows])
+            return len(ctx_pos)
         sample = self.sample_draft(hidden[torch.tensor(draft_rows, device=self.device)], sampling)
         tokens = sample.token_ids.tolist()
         o = 0
@@ -170,4 +174,32 @@ class DFlashSpeculator(DraftModelSpeculator):
                 states[i].draft_dists = sample.dists[o : o + n - 1]  # [n − 1, vocab_size]
             o += n - 1
         return len(ctx_pos)
+
+    def _sample_under_grammars(
+        self, hidden: torch.Tensor, draft_rows: list[int], sampling, lens: list[int], grammars: list,
+        states: list[DraftState],
+    ) -> None:
+        """Structured outputs: a block's drafts come out of one forward, but draft j's mask depends
+        on drafts 1 … j − 1, so they are drawn position by position (one sampling pass per draft
+        position instead of one for all), each under the mask after the drafts before it."""
+        starts = torch.cumsum(torch.tensor([0] + [n - 1 for n in lens[:-1]]), 0).tolist()  # row r's draft 1 in draft_rows
+        tokens: list[list[int]] = [[] for _ in lens]
+        dists: list[list[torch.Tensor]] = [[] for _ in lens]
+        going = [n > 1 for n in lens]
+        for j in range(max(lens) - 1):
+            active = [r for r, n in enumerate(lens) if going[r] and j < n - 1]
+            if not active:
+                break
+            at = [starts[r] + j for r in active]  # indices into draft_rows (and sampling's rows)
+            meta = None if sampling is None else sampling.select(torch.tensor(at, device=sampling.seeds.device))
+            sample = self.sample_draft(hidden[torch.tensor([draft_rows[a] for a in at], device=self.device)], meta,
+                                       self.draft_bitmask(grammars, active))
+            for a, (r, token) in enumerate(zip(active, sample.token_ids.tolist())):
+                tokens[r].append(token)
+                if sample.dists is not None:
+                    dists[r].append(sample.dists[a])
+                if grammars[r] is not None and not grammars[r].draft(token):
+                    going[r] = False  # refused (the grammar is complete): no further drafts
+        for state, t, d in zip(states, tokens, dists):
+            state.draft_ids, state.draft_dists = t, (torch.stack(d) if d else None)
 

@@ -90,7 +90,7 @@ class DraftModelProposer(DraftModelSpeculator):
             def advance(active: list[int], keep: list[int], tokens: list[int], j: int) -> torch.Tensor:
                 return self._forward([[t] for t in tokens], [pos[r] + j for r in active], [tables[r] for r in active])
 
-            chain, chain_dists = self.draft_chain(hidden, num, pos, inp.sampling, advance)
+            chain, chain_dists = self.draft_chain(hidden, num, pos, inp.sampling, advance, self.grammars_of(inp, rows))
         for r, i in enumerate(rows):
             states[i].draft_ids, states[i].draft_dists = chain[r], chain_dists[r]
         return fed

@@ -49,10 +49,10 @@ class Eagle3Proposer(ChainHeadProposer):
         (self.kv_cache,) = self._allocate_kv(model, 1)  # one midlayer
         return model
 
-    def _greedy_sample_draft(self, hidden: torch.Tensor) -> torch.Tensor:
-        """As the base class's; without the flag, the argmax over the gathered draft vocabulary."""
-        if self.use_local_argmax_reduction:
-            return super()._greedy_sample_draft(hidden)
+    def _greedy_sample_draft(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """As the base class's; without the flag or a grammar, the argmax over the gathered draft vocabulary."""
+        if self.use_local_argmax_reduction or bitmask is not None:
+            return super()._greedy_sample_draft(hidden, bitmask)
         return self.model.greedy_tokens(hidden, site=DRAFT_SAMPLE_SITE)
 
     def _hidden(self, features: torch.Tensor) -> torch.Tensor:

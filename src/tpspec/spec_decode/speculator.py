@@ -25,12 +25,14 @@ import torch
 from tpspec.config import EngineConfig, ModelArchConfig, SpeculativeConfig
 from tpspec.distributed import comm
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
-from tpspec.sample.sampler import SamplingMetadata
 from tpspec.layers.cpu_weights import pack_cpu_weights
+from tpspec.sample import token_bitmask
+from tpspec.sample.sampler import SamplingMetadata
 from tpspec.spec_decode.draft_sampling import sample_draft_full, sample_draft_shard
 from tpspec.spec_decode.drafter_rounding import round_drafter_to_q4_1
 from tpspec.spec_decode.resolve import is_shipped_drafter
 from tpspec.spec_decode.step_profile import profile_context
+from tpspec.structured.request_grammar import RequestGrammar
 
 DRAFT_SAMPLE_SITE = "draft.sample"
 # A capture id past the layers: the target's final-norm output, the hidden state its LM head reads
@@ -69,6 +71,11 @@ class DraftInput:
     token, which the target has not run yet), all of ``token_ids[i]`` otherwise.
 
     ``all_token_ids(i)``: every token of sequence i's request so far (a lookup drafter reads them).
+
+    ``grammars[i]``: sequence i's grammar (structured outputs), at its committed output; None when
+    no sequence has one. Drafters that pick tokens draw each draft under its position's mask
+    (``DraftModelSpeculator.sample_draft``); ``Speculator.propose`` then holds every sequence's
+    drafts up to the first the grammar forbids (``RequestGrammar.settle``).
     """
 
     req_ids: list[str]
@@ -80,6 +87,7 @@ class DraftInput:
     sampling: SamplingMetadata | None  # one row per sequence with num_drafts > 0 (probabilistic drafting)
     target_features: torch.Tensor | None = None  # [num_context_tokens, len(capture_layers)·hidden_size]
     all_token_ids: Callable[[int], list[int]] | None = None
+    grammars: list[RequestGrammar | None] | None = None
 
     def num_context(self, i: int) -> int:
         """How many of sequence i's tokens have target features."""
@@ -169,7 +177,14 @@ class Speculator:
         states = [self.states[r] for r in inp.req_ids]
         for state in states:
             state.draft_ids, state.draft_dists = [], None
-        return self._propose(inp, states)
+        fed = self._propose(inp, states)
+        for state, grammar, sampled in zip(states, inp.grammars or (), inp.sampled):
+            if grammar is not None and sampled:
+                held = grammar.settle(state.draft_ids)
+                if held < len(state.draft_ids):
+                    state.draft_ids = state.draft_ids[:held]
+                    state.draft_dists = None if state.draft_dists is None else state.draft_dists[:held]
+        return fed
 
     def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
         """``propose`` for the sequences of ``inp``, whose states are ``states`` (drafts cleared)."""
@@ -249,24 +264,47 @@ class DraftModelSpeculator(Speculator):
         return allocate_kv_cache(num_layers, self.num_kv_slots, model.kv_cache_shape, model.dtype, self.device)
 
     # ---- draft selection --------------------------------------------------------------------
-    def _greedy_sample_draft(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [rows, hidden_size] -> [rows] int64 draft ids."""
+    def _greedy_sample_draft(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [rows, hidden_size] -> [rows] int64 draft ids (under ``bitmask`` [rows, words], if given)."""
         if self.use_local_argmax_reduction:
-            return self.model.get_top_tokens(hidden, site=DRAFT_SAMPLE_SITE)
-        return self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE).argmax(dim=-1)
+            return self.model.get_top_tokens(hidden, site=DRAFT_SAMPLE_SITE, bitmask=bitmask)
+        logits = self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE)
+        token_bitmask.apply(logits, bitmask)
+        return logits.argmax(dim=-1)
 
-    def sample_draft(self, hidden: torch.Tensor, sampling: SamplingMetadata | None) -> DraftSample:
+    def sample_draft(
+        self, hidden: torch.Tensor, sampling: SamplingMetadata | None, bitmask: torch.Tensor | None = None
+    ) -> DraftSample:
         """hidden: [rows, hidden_size]; ``sampling``: one row per hidden row (positions = the
-        position each draft token will take). Greedy requests draft greedily either way.
-        Probabilistic drafting keeps q: full ``[rows, vocab_size]``, or with
-        ``use_local_argmax_reduction`` this rank's columns ``[rows, shard_size]`` (never gathered)."""
+        position each draft token will take); ``bitmask``: the rows' grammar masks [rows, words]
+        (structured outputs; applied to the draft logits, each rank to its own columns with the
+        flag). Greedy requests draft greedily either way. Probabilistic drafting keeps q: full
+        ``[rows, vocab_size]``, or with ``use_local_argmax_reduction`` this rank's columns
+        ``[rows, shard_size]`` (never gathered)."""
         comm.count_rows(DRAFT_SAMPLE_SITE, hidden.shape[0])
         if self.draft_sample_method == "greedy":
-            return DraftSample(self._greedy_sample_draft(hidden))
+            return DraftSample(self._greedy_sample_draft(hidden, bitmask))
         if self.use_local_argmax_reduction:
             shard = self.model.compute_logits_shard(hidden)  # [rows, shard_size], no communication
+            token_bitmask.apply(shard, bitmask)
             return DraftSample(*sample_draft_shard(shard, sampling, DRAFT_SAMPLE_SITE))
-        return DraftSample(*sample_draft_full(self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE), sampling))
+        logits = self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE)
+        token_bitmask.apply(logits, bitmask)
+        return DraftSample(*sample_draft_full(logits, sampling))
+
+    def draft_bitmask(self, grammars: list[RequestGrammar | None] | None, rows: list[int]) -> torch.Tensor | None:
+        """The next draft position's masks of ``rows`` (indices into ``grammars``): ``[len(rows),
+        words]`` int32, all ones for a row without a grammar; None when none of them has one."""
+        if grammars is None or all(grammars[r] is None for r in rows):
+            return None
+        width = next(grammars[r].words for r in rows if grammars[r] is not None)
+        every = torch.full((width,), -1, dtype=torch.int32)
+        return torch.stack([every if grammars[r] is None else grammars[r].draft_mask() for r in rows]).to(self.device)
+
+    @staticmethod
+    def grammars_of(inp: DraftInput, rows: list[int]) -> list[RequestGrammar | None] | None:
+        """The grammars of sequences ``rows`` (None: no sequence of the step has one)."""
+        return None if inp.grammars is None else [inp.grammars[i] for i in rows]
 
     def chain_rows(self, inp: DraftInput, rows: list[int]) -> tuple[list[int], list[list[int]], list[int]]:
         """For proposing sequences ``rows``: the position of each one's draft 1, its block table, and
@@ -281,12 +319,17 @@ class DraftModelSpeculator(Speculator):
     def draft_chain(
         self, hidden: torch.Tensor, num: list[int], positions: list[int], sampling: SamplingMetadata | None,
         advance: Callable[[list[int], list[int], list[int], int], torch.Tensor],
+        grammars: list[RequestGrammar | None] | None = None,
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Chain drafting: row r wants ``num[r]`` drafts, the first from ``hidden[r]`` ([rows, H]) at
         ``positions[r]`` (``sampling``: one row per r). Each pass samples only the rows still
         drafting; after pass j (0-based), ``advance(rows, keep, tokens, j)`` feeds ``tokens``
         (draft j + 1 of each row still drafting) and returns the next hidden states of ``rows``,
-        where ``keep`` are those rows' indices into the current ``hidden``. Returns per row its drafts and (probabilistic drafting) their q ``[num[r], width]``."""
+        where ``keep`` are those rows' indices into the current ``hidden``. ``grammars``: per row
+        its grammar or None (each pass draws under the masks after the drafts so far; a row whose
+        draft the grammar refuses stops drafting). Returns per row its drafts and (probabilistic
+        drafting) their q ``[num[r], width]``."""
+        num = list(num)
         drafts: list[list[int]] = [[] for _ in num]
         dists: list[list[torch.Tensor]] = [[] for _ in num]
         active = [r for r, n in enumerate(num) if n > 0]
@@ -298,12 +341,14 @@ class DraftModelSpeculator(Speculator):
             if sampling is not None:
                 meta = sampling.select(torch.tensor(active, device=sampling.seeds.device),
                                        torch.tensor([positions[r] + j for r in active], device=sampling.seeds.device))
-            sample = self.sample_draft(hidden, meta)
+            sample = self.sample_draft(hidden, meta, self.draft_bitmask(grammars, active))
             ids = sample.token_ids.tolist()
             for a, r in enumerate(active):
                 drafts[r].append(ids[a])
                 if sample.dists is not None:
                     dists[r].append(sample.dists[a])
+                if grammars is not None and grammars[r] is not None and not grammars[r].draft(ids[a]):
+                    num[r] = j + 1  # refused (the grammar is complete): no further drafts
             keep = [a for a, r in enumerate(active) if num[r] > j + 1]
             if not keep:
                 break

@@ -22,7 +22,7 @@ from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, num_kv
 from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
-from tpspec.sample import vocab_parallel
+from tpspec.sample import token_bitmask, vocab_parallel
 from tpspec.sample.sampler import Sampler, SamplingMetadata, logprobs_of
 from tpspec.sample.sampling_states import SamplingStates
 from tpspec.sample.vocab_parallel import LogitsShard, shard_columns
@@ -30,6 +30,7 @@ from tpspec.spec_decode.rejection_sampler import RejectionSampler
 from tpspec.spec_decode.speculator import DraftInput, Speculator, target_features
 from tpspec.spec_decode.step_profile import profile_context, profile_grid
 from tpspec.spec_decode.vocab_parallel_rejection import VocabParallelRejectionSampler
+from tpspec.worker.grammars import RankGrammars
 from tpspec.worker.request_state import RequestStates, ScheduledSeq
 from tpspec.worker.step import NewRequest, StepInput, StepOutput, TokenLogprobs
 from tpspec.worker.step_rows import StepRows
@@ -64,6 +65,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests = RequestStates()
         self.sampling_states = SamplingStates(device)
+        self.grammars = RankGrammars(config)  # structured outputs
         self.speculator: Speculator | None = None
         self.rejection_sampler: RejectionSampler | None = None
 
@@ -175,12 +177,14 @@ class ModelRunner:
     def add_request(self, new: NewRequest) -> None:
         self.requests.add(new)
         self.sampling_states.add(new.req_id, new.params, new.seed)
+        self.grammars.add(new)
         if self.speculator is not None:
             self.speculator.add(new.req_id)
 
     def forget_request(self, req_id: str) -> None:
         self.requests.forget(req_id)
         self.sampling_states.remove(req_id)
+        self.grammars.forget(req_id)
         if self.speculator is not None:
             self.speculator.forget(req_id)
 
@@ -208,6 +212,9 @@ class ModelRunner:
         t1 = self._now()
         # The rank's copy of each request takes its new tokens; one that ended is forgotten and drafts no more.
         ended = [bool(emitted) and self.requests.append(s.req, emitted) for s, emitted in zip(seqs, sampled)]
+        if len(self.grammars):
+            for s, emitted in zip(seqs, sampled):
+                self.grammars.accept(s.req_id, emitted)
         num_drafts = [0] * len(seqs)
         fed_rows = 0
         if self.speculator is not None:
@@ -268,6 +275,9 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[index], site)  # [rows, vocab]
         comm.count_rows(site, rows.num_rows)
+        if len(self.grammars):  # structured outputs: forbidden tokens to -inf (each rank its own columns)
+            bitmask = self.grammars.verify_bitmask([seqs[i].req_id for i in sampling], [seqs[i].num_spec for i in sampling])
+            token_bitmask.apply(logits, None if bitmask is None else bitmask.to(self.device))
         # The step's one sampling metadata: a gather from the slot-indexed states; drafting indexes it.
         meta = self.sampling_states.gather(rows.slots, torch.from_numpy(rows.positions).to(self.device))
         if self.rejection_sampler is None or not rows.num_spec.any():
@@ -388,4 +398,5 @@ class ModelRunner:
         return self.speculator.propose(DraftInput(
             [s.req_id for s in seqs], token_ids, [s.start_pos for s in seqs], [s.block_table for s in seqs],
             [bool(e) for e in sampled], wanted, sampling, features, lambda i: seqs[i].req.all_token_ids,
+            [self.grammars.get(s.req_id) for s in seqs] if len(self.grammars) else None,
         ))

@@ -1,0 +1,56 @@
+"""Token bitmasks (structured outputs): which tokens a row may take, applied to its logits.
+
+A bitmask row holds one bit per token of the vocabulary, token t at bit ``t % 32`` of int32 word
+``t // 32`` (xgrammar's layout); an unconstrained row is all ones (-1 words). Masked logits become
+-inf before anything else reads them, so greedy argmax, the filters (top-k, top-p, min-p over the
+allowed tokens), Gumbel-max draws, draft distributions and verification all see the masked,
+renormalized distribution. Under tensor parallelism each rank applies the bits of its own columns
+to its shard (``apply``): no communication, the same O(tp) bytes per row as without a grammar.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpspec.sample.vocab_parallel import LogitsShard
+
+
+def words_for(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return -(-vocab_size // 32)
+
+
+def allowed(
+    bitmask: torch.Tensor,  # [rows, words] int32
+    token_ids: torch.Tensor,  # [n] int64
+) -> torch.Tensor:
+    """Whether each row allows each token: ``[rows, n]`` bool (ids outside the bitmask: no)."""
+    inside = (token_ids >= 0) & (token_ids < 32 * bitmask.shape[1])
+    ids = torch.where(inside, token_ids, 0)
+    words = bitmask.index_select(1, ids >> 5)  # [rows, n]
+    return (((words >> (ids & 31).to(torch.int32)) & 1).bool()) & inside
+
+
+def constrained_rows(bitmask: torch.Tensor) -> torch.Tensor:
+    """Rows of ``bitmask`` [rows, words] that forbid some token: [n] int64."""
+    return torch.nonzero((bitmask != -1).any(dim=-1)).squeeze(-1)
+
+
+def apply(
+    logits: torch.Tensor | LogitsShard,  # [rows, vocab] gathered, or this rank's [rows, shard_size] columns
+    bitmask: torch.Tensor | None,  # [rows, words] int32; None: no row constrained
+    column_ids: torch.Tensor | None = None,  # [columns] int64 token id of each column (default: its index)
+) -> None:
+    """Forbidden tokens' logits to -inf, in place. A shard's columns are ids ``vocab_start …``;
+    ``column_ids`` maps columns to other ids (EAGLE-3's draft vocabulary to the target's)."""
+    if bitmask is None:
+        return
+    rows = constrained_rows(bitmask)
+    if rows.numel() == 0:
+        return
+    values = logits.logits if isinstance(logits, LogitsShard) else logits
+    if column_ids is None:
+        start = logits.vocab_start if isinstance(logits, LogitsShard) else 0
+        column_ids = torch.arange(start, start + values.shape[-1], device=values.device)
+    ok = allowed(bitmask.index_select(0, rows), column_ids)
+    values.index_copy_(0, rows, values.index_select(0, rows).masked_fill_(~ok, float("-inf")))
