@@ -64,3 +64,10 @@ def test_columns_standing_for_other_ids():
         [True, False, True, True, False, True], [True] * 6, [False, True, False, False, False, False],
     ]
     assert token_bitmask.apply(logits, None) is None  # no grammar: nothing to do
+
+
+def test_unpacked_columns_equal_the_gathered_bits():
+    torch.manual_seed(1)
+    bm = torch.randint(-(2**31), 2**31 - 1, (3, words_for(VOCAB)), dtype=torch.int32)
+    for start, width in ((0, VOCAB), (7, 50), (33, 80), (120, 20)):  # the last runs past the bitmask
+        assert torch.equal(token_bitmask.allowed_columns(bm, start, width), allowed(bm, torch.arange(start, start + width)))

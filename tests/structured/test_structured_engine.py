@@ -1,5 +1,6 @@
-"""Structured outputs through ``LLM`` on tiny random checkpoints: every drafting method, TP 1 and
-2, the flag on and off, gathered and vocab-parallel sampling.
+"""Structured outputs through ``LLM`` on tiny random checkpoints: n-gram, draft model (greedy and
+probabilistic drafts), DFlash and MTP, TP 1 and 2, the flag on and off, gathered and
+vocab-parallel sampling (EAGLE-3: tests/structured/test_default_model.py, with the shipped head).
 
 * Greedy output under a grammar is the same with and without speculation (lossless), and the
   same at TP 1 and TP 2; seeded sampled requests give the same tokens at both.
@@ -107,7 +108,18 @@ CASES = {
                                                     dict(sampling_mode="vocab-parallel")),
     "dflash-noflag-tp2": (2, dict(method="dflash", model="tiny_dflash", num_speculative_tokens=4, adaptive=False,
                                   use_local_argmax_reduction=False), {}),
+    "mtp-flag-tp2": (2, dict(method="mtp", model="tiny_mtp", num_speculative_tokens=3, adaptive=False,
+                             use_local_argmax_reduction=True), {}),
 }
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tiny_llama, tmp_path_factory) -> str:
+    """A random one-layer MTP module for the tiny Llama (EAGLE-3's chain runs through the same
+    drafting loop; the real shipped EAGLE-3 head is in test_default_model.py)."""
+    from tests.models.test_mtp import write_mtp
+
+    return write_mtp(str(tmp_path_factory.mktemp("tiny-mtp")), tiny_llama, seed=4)
 
 
 def _plain(tp: int, request, **engine) -> dict:
@@ -158,3 +170,29 @@ def test_a_grammar_adds_no_communication(request):
     spec = dict(CASES["self-flag-tp2-vocab-parallel"][1], model=target)
     drafted = _run("self-flag-tp2-vocab-parallel", target, 2, spec, sampling_mode="vocab-parallel")
     assert drafted["stats"]["comm_bytes_per_row"]["draft.sample"] == 8 * 2
+
+
+def test_grammar_state_ends_with_its_request_however_it_ends(request):
+    """Finished, stopped by a stop string, aborted while running, aborted while waiting: each
+    request's grammar leaves the rank (TP 1: the runner is in this process), over rounds."""
+    from tpspec.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(model=request.getfixturevalue("tiny_llama"), max_num_seqs=2, **ENGINE)
+    runner = engine.executor.runner
+    so = StructuredOutputsParams(json=SCHEMAS["nested"])
+    try:
+        for round_ in range(3):
+            ids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=round_ * 10 + i, max_tokens=MAX_TOKENS,
+                                                        stop=['"'] if i == 1 else None, structured_outputs=so))
+                   for i, p in enumerate(PROMPTS)]  # 4 requests, 2 running at a time
+            engine.step()
+            engine.step()
+            assert len(runner.grammars) == 2
+            engine.abort_request(ids[0])  # running
+            engine.abort_request(ids[3])  # waiting (never scheduled)
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.step()  # the ranks forget ended requests at the next step
+            assert len(runner.grammars) == 0, round_
+    finally:
+        engine.shutdown()

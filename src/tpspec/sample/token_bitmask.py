@@ -31,6 +31,26 @@ def allowed(
     return (((words >> (ids & 31).to(torch.int32)) & 1).bool()) & inside
 
 
+_BYTE_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def allowed_columns(
+    bitmask: torch.Tensor,  # [rows, words] int32
+    start: int,
+    width: int,
+) -> torch.Tensor:
+    """``allowed`` for the consecutive ids ``start … start + width − 1`` (a shard's columns), by
+    unpacking the bytes that hold them: ``[rows, width]`` bool. Little-endian words: token t is
+    bit ``t % 8`` of byte ``t // 8``."""
+    first, last = start // 8, -(-(start + width) // 8)
+    data = bitmask.contiguous().view(torch.uint8)[:, first:last]  # [rows, bytes]
+    if data.shape[1] < last - first:  # ids past the bitmask (shard padding): not allowed
+        data = torch.nn.functional.pad(data, (0, last - first - data.shape[1]))
+    bits = (data.unsqueeze(-1) >> _BYTE_BITS.to(data.device)) & 1  # [rows, bytes, 8]
+    offset = start - 8 * first
+    return bits.view(data.shape[0], -1)[:, offset : offset + width].bool()
+
+
 def constrained_rows(bitmask: torch.Tensor) -> torch.Tensor:
     """Rows of ``bitmask`` [rows, words] that forbid some token: [n] int64."""
     return torch.nonzero((bitmask != -1).any(dim=-1)).squeeze(-1)
@@ -51,6 +71,7 @@ def apply(
     values = logits.logits if isinstance(logits, LogitsShard) else logits
     if column_ids is None:
         start = logits.vocab_start if isinstance(logits, LogitsShard) else 0
-        column_ids = torch.arange(start, start + values.shape[-1], device=values.device)
-    ok = allowed(bitmask.index_select(0, rows), column_ids)
+        ok = allowed_columns(bitmask.index_select(0, rows), start, values.shape[-1])
+    else:
+        ok = allowed(bitmask.index_select(0, rows), column_ids)
     values.index_copy_(0, rows, values.index_select(0, rows).masked_fill_(~ok, float("-inf")))
