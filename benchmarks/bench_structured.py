@@ -133,7 +133,7 @@ def worker(args) -> None:
         batch = all_prompts[: args.num_prompts(c)]
         runs = {"free": [], "json": []}
         free = None
-        for kind in ("json", "free", "free", "json"):
+        for kind in ("json", "free", "free", "json") * args.rounds:
             mask_s[0] = 0.0
             if kind == "json":
                 res = run_level(engine, batch, c, [constrained] * len(batch))
@@ -148,7 +148,8 @@ def worker(args) -> None:
             print(f"{args.worker:16s} c={c:<3d} {kind:5s} TPOT {res['tpot_ms']:7.2f} ms  {res['throughput']:7.1f} tok/s  "
                   f"masks {res['mask_ms_per_step']:.3f} ms/step" + (f"  valid {res['valid']:.0%}" if kind == "json" else ""),
                   flush=True, file=sys.stderr)
-        ratios = [j["tpot_ms"] / f["tpot_ms"] for f, j in zip(reversed(runs["free"]), runs["json"])]
+        # Each constrained run against the unconstrained run next to it (ABBA: json, free | free, json).
+        ratios = [j["tpot_ms"] / f["tpot_ms"] for f, j in zip(runs["free"], runs["json"])]
         results.append({"config": args.worker, "concurrency": c, "runs": runs, "tpot_ratio": ratios})
     engine.shutdown()
     print("RESULT " + json.dumps(results), flush=True)
@@ -161,6 +162,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-c1", type=int, default=8, help="prompts at concurrency 1 (2c at higher levels)")
+    ap.add_argument("--rounds", type=int, default=1, help="ABBA rounds per concurrency level")
     ap.add_argument("--result-file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,7 +172,8 @@ def main() -> None:
     out = {"machine": machine_info(), "model": args.model or "default", "schema": SCHEMA, "results": []}
     for name in args.configs:  # one process per configuration, one at a time
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--max-tokens", str(args.max_tokens),
-               "--prompts-c1", str(args.prompts_c1), "--concurrency", *map(str, args.concurrency)]
+               "--prompts-c1", str(args.prompts_c1), "--rounds", str(args.rounds),
+               "--concurrency", *map(str, args.concurrency)]
         if args.model:
             cmd += ["--model", args.model]
         line = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]

@@ -1,8 +1,9 @@
 """Structured outputs on the real default model (SmolLM2-135M-Instruct, Q4_1), chat prompts: every
 output of a suite of schemas (nested objects, arrays with item bounds, enums, string patterns,
 nullable fields, number bounds), a regex and a choice list completes and validates, greedy and
-sampled; the shipped EAGLE-3 head drafting under the grammar at TP 2 with the flag (its draft
-vocabulary mapped to the target's ids per shard) gives the same greedy tokens as plain decoding."""
+sampled; the shipped EAGLE-3 head drafting under the grammar (its draft vocabulary mapped to the
+target's ids), at TP 2 with the flag and at TP 1 without, gives the same greedy tokens as plain
+decoding."""
 
 from __future__ import annotations
 
@@ -91,9 +92,12 @@ def test_every_output_completes_and_validates(prompts, temperature):
         _check(name, out.outputs[0].text)
 
 
-def test_the_shipped_eagle3_head_drafts_under_the_grammar_at_tp2(prompts):
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False, "use_local_argmax_reduction": True}
-    with LLM(tensor_parallel_size=2, speculative_config=spec) as llm:
+@pytest.mark.parametrize("tp,flag", [(2, True), (1, False)], ids=["tp2-flag", "tp1-noflag"])
+def test_the_shipped_eagle3_head_drafts_under_the_grammar(prompts, tp, flag):
+    """With the flag each shard masks its draft-vocabulary columns by their target ids; without,
+    the gathered draft-vocabulary row is masked the same way (``Eagle3...greedy_tokens``)."""
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False, "use_local_argmax_reduction": flag}
+    with LLM(tensor_parallel_size=tp, speculative_config=spec) as llm:
         outs = llm.generate(prompts, _params(0.0), use_tqdm=False)
         stats = llm.get_stats()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in _plain(prompts, 0.0)]

@@ -35,6 +35,7 @@ from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from tpspec.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from tpspec.models.weights import checkpoint_target
+from tpspec.sample import token_bitmask
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -236,11 +237,16 @@ class Eagle3LlamaForCausalLM(nn.Module):
         full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.target_ids, draft)
 
-    def greedy_tokens(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:
+    def greedy_tokens(
+        self, hidden: torch.Tensor, site: str = "logits.all_gather", bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden: [num_rows, H] -> [num_rows] int64 target ids: the argmax of the gathered
         draft-vocab logits, equal to ``compute_logits(hidden).argmax(-1)`` (target ids ascend with
-        draft ids, so ties agree; a row of all -inf logits aside) without filling a full-vocabulary row."""
-        return self.target_ids[self.logits_processor.compute_logits(self.lm_head, hidden, site).argmax(-1)]
+        draft ids, so ties agree; a row of all -inf logits aside) without filling a full-vocabulary
+        row. ``bitmask`` ([num_rows, words] over target ids): the argmax of the allowed ones."""
+        logits = self.logits_processor.compute_logits(self.lm_head, hidden, site)  # [num_rows, draft_vocab]
+        token_bitmask.apply(logits, bitmask, self.target_ids)
+        return self.target_ids[logits.argmax(-1)]
 
     def get_top_tokens(
         self, hidden: torch.Tensor, site: str = "draft.sample", bitmask: torch.Tensor | None = None

@@ -50,10 +50,10 @@ class Eagle3Proposer(ChainHeadProposer):
         return model
 
     def _greedy_sample_draft(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """As the base class's; without the flag or a grammar, the argmax over the gathered draft vocabulary."""
-        if self.use_local_argmax_reduction or bitmask is not None:
+        """As the base class's; without the flag, the argmax over the gathered draft vocabulary."""
+        if self.use_local_argmax_reduction:
             return super()._greedy_sample_draft(hidden, bitmask)
-        return self.model.greedy_tokens(hidden, site=DRAFT_SAMPLE_SITE)
+        return self.model.greedy_tokens(hidden, site=DRAFT_SAMPLE_SITE, bitmask=bitmask)
 
     def _hidden(self, features: torch.Tensor) -> torch.Tensor:
         return self.model.combine_hidden_states(features)
