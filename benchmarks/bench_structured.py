@@ -58,7 +58,10 @@ def prompts(model: str | None, n: int) -> list[list[int]]:
     for thing in (THINGS * (n // len(THINGS) + 1))[:n]:
         q = (f"Describe {thing} as a JSON object with the fields name, category (animal, tool, food, place, vehicle, "
              "instrument, plant or other), year and a list of tags.")
-        out.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False))
+        try:
+            out.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False))
+        except ValueError:  # no chat template (Gemma 3 270M's GGUF): the question as a plain prompt
+            out.append(tok.encode(q + "\n"))
     return out
 
 

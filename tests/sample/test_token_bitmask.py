@@ -71,3 +71,22 @@ def test_unpacked_columns_equal_the_gathered_bits():
     bm = torch.randint(-(2**31), 2**31 - 1, (3, words_for(VOCAB)), dtype=torch.int32)
     for start, width in ((0, VOCAB), (7, 50), (33, 80), (120, 20)):  # the last runs past the bitmask
         assert torch.equal(token_bitmask.allowed_columns(bm, start, width), allowed(bm, torch.arange(start, start + width)))
+
+
+def test_rows_read_only_through_their_argmax_are_masked_only_when_it_is_forbidden():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [0.0, 1.0, 2.0, 3.0], [3.0, 1.0, 0.0, 0.0]]).repeat_interleave(25, 1)[:, :VOCAB]
+    rows = [set(range(25, 50)), set(range(0, 25)), set(range(50, 100))]  # row 0: argmax 25 allowed
+    bm = _bitmask(rows)
+    full = logits.clone()
+    token_bitmask.apply(full, bm)
+    lazy = logits.clone()
+    token_bitmask.apply(lazy, bm, argmax_only=torch.tensor([True, True, False]))
+    assert torch.equal(lazy[0], logits[0])  # left as it was: its argmax is allowed
+    assert torch.equal(lazy[1:], full[1:])  # argmax forbidden, or not argmax-only: masked
+    assert torch.equal(lazy.argmax(-1), full.argmax(-1))
+    # Columns standing for other ids (EAGLE-3): the argmax column's id is what is checked.
+    ids = torch.tensor([50, 10, 60, 70])
+    cols = torch.tensor([[4.0, 1.0, 0.0, 0.0], [4.0, 1.0, 0.0, 0.0]])
+    lazy = cols.clone()
+    token_bitmask.apply(lazy, _bitmask([{50, 10}, {10}]), ids, argmax_only=torch.tensor([True, True]))
+    assert torch.equal(lazy[0], cols[0]) and lazy[1].tolist() == [float("-inf"), 1.0, float("-inf"), float("-inf")]

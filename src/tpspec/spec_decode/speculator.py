@@ -269,7 +269,7 @@ class DraftModelSpeculator(Speculator):
         if self.use_local_argmax_reduction:
             return self.model.get_top_tokens(hidden, site=DRAFT_SAMPLE_SITE, bitmask=bitmask)
         logits = self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE)
-        token_bitmask.apply(logits, bitmask)
+        token_bitmask.apply(logits, bitmask, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
         return logits.argmax(dim=-1)
 
     def sample_draft(

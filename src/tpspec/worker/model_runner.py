@@ -275,11 +275,13 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[index], site)  # [rows, vocab]
         comm.count_rows(site, rows.num_rows)
-        if len(self.grammars):  # structured outputs: forbidden tokens to -inf (each rank its own columns)
-            bitmask = self.grammars.verify_bitmask([seqs[i].req_id for i in sampling], [seqs[i].num_spec for i in sampling])
-            token_bitmask.apply(logits, None if bitmask is None else bitmask.to(self.device))
         # The step's one sampling metadata: a gather from the slot-indexed states; drafting indexes it.
         meta = self.sampling_states.gather(rows.slots, torch.from_numpy(rows.positions).to(self.device))
+        if len(self.grammars):  # structured outputs: forbidden tokens to -inf (each rank its own columns)
+            bitmask = self.grammars.verify_bitmask([seqs[i].req_id for i in sampling], [seqs[i].num_spec for i in sampling])
+            if bitmask is not None:
+                argmax_only = meta.temperature == 0 if meta.max_num_logprobs is None else None
+                token_bitmask.apply(logits, bitmask.to(self.device), argmax_only=argmax_only)
         if self.rejection_sampler is None or not rows.num_spec.any():
             # No drafts to verify: the Sampler, which is what verification of k = 0 draws.
             # Logprobs of emitted tokens come from _logprobs below, for both paths: don't compute them twice.
