@@ -65,11 +65,11 @@ def apply(
     """Forbidden tokens' logits to -inf, in place. A shard's columns are ids ``vocab_start …``;
     ``column_ids`` maps columns to other ids (EAGLE-3's draft vocabulary to the target's).
 
-    ``argmax_only`` (gathered logits): rows whose only use is their argmax (greedy, no logprobs;
-    greedy drafts)
-    are left unmasked when their argmax is allowed, which is then also the masked row's argmax
-    (ties included: the lowest id among the maxima is allowed). Masking a row costs a pass over
-    the vocabulary (about 0.5 ms at 262,144 on this machine kind); the check one argmax."""
+    ``argmax_only`` (gathered logits): rows whose only use is their argmax (greedy rows without
+    logprobs, greedy drafts) are left unmasked when their argmax is allowed, which is then also the
+    masked row's argmax (ties included: the lowest id among the maxima is allowed). Masking a row
+    costs a pass over the vocabulary (about 0.5 ms at 262,144 on this machine kind); the check, one
+    argmax."""
     if bitmask is None:
         return
     rows = constrained_rows(bitmask)
