@@ -12,7 +12,7 @@ import tpspec
 # server, …); configs import no engine part.
 LAYERS = [
     {"config", "sampling_params", "cpu_features", "default_model"},
-    {"structured"},  # grammars (llguidance): the driver checks them, every rank follows them
+    {"structured"},  # grammars (xgrammar): the driver checks them, every rank follows them
     {"distributed"},  # collectives only
     {"sample"},
     {"layers"},

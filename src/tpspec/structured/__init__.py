@@ -1,4 +1,4 @@
-"""Structured outputs: grammars (llguidance) that constrain what a request may emit.
+"""Structured outputs: grammars (xgrammar) that constrain what a request may emit.
 
 ``grammar`` turns a request's ``StructuredOutputsParams`` into a compiled matcher (cached, checked
 in the driver before the request is admitted); ``request_grammar`` follows one request's output on
