@@ -37,6 +37,17 @@ def _check_float(name: str, value: Any) -> float:
     return value
 
 
+def _from_mapping(cls, d: Any, not_a_mapping: str, fields: str):
+    """``cls(**d)`` for a mapping ``d`` of ``cls``'s field names; ``ValueError`` otherwise, or for an unknown key."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{not_a_mapping}, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in d if k not in known)
+    if unknown:
+        raise ValueError(f"unknown {fields} {unknown}; allowed: {sorted(known)}")
+    return cls(**d)
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")
@@ -105,13 +116,7 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StructuredOutputsParams":
         """From a mapping of field names to values (vLLM's request field); unknown keys are an error."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
-        if unknown:
-            raise ValueError(f"unknown structured_outputs field(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return _from_mapping(cls, d, "structured_outputs must be an object", "structured_outputs field(s)")
 
 
 @dataclass(frozen=True)
@@ -232,13 +237,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
         """Build from a mapping of field names to values; unknown keys are an error."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return _from_mapping(cls, d, "sampling params must be a mapping", "sampling parameter(s)")
 
 
 def default_of(name: str) -> Any:

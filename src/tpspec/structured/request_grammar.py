@@ -28,19 +28,20 @@ class RequestGrammar:
     def __init__(self, matcher, words: int, stop_token_ids: list[int]) -> None:
         self.matcher = matcher  # xgrammar.GrammarMatcher at the committed output (between steps)
         self.words = words  # int32 words per mask row
-        bits = [0] * words
-        for t in stop_token_ids:
-            if 0 <= t < 32 * words:
-                bits[t >> 5] |= 1 << (t & 31)
-        # The grammar is complete: only a stop token may follow.
-        self._stop_only = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32)
+        self.stop_token_ids = stop_token_ids
         self._drafted: list[int] = []  # tokens accepted tentatively while drafting
         self._masks: list[torch.Tensor] = []  # [words] mask at each tentative position
         self._held: torch.Tensor | None = None  # [held drafts + 1, words] masks for verifying the held drafts
 
+    def _stop_only(self) -> torch.Tensor:
+        """The mask once the grammar is complete (only seen with ``ignore_eos``): a stop token only."""
+        ids = torch.tensor([t for t in self.stop_token_ids if 0 <= t < 32 * self.words], dtype=torch.int64)
+        words = torch.zeros(self.words, dtype=torch.int64).index_add_(0, ids >> 5, 1 << (ids & 31))
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
     def _mask_now(self) -> torch.Tensor:
         if self.matcher.is_terminated():
-            return self._stop_only.clone()
+            return self._stop_only()
         row = torch.empty(1, self.words, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(row, 0)
         return row[0]
