@@ -12,14 +12,13 @@ vocab-parallel sampling (EAGLE-3: tests/structured/test_default_model.py, with t
 
 from __future__ import annotations
 
-import json
-import re
 
-import jsonschema
 import pytest
 
 from tpspec import LLM, SamplingParams
 from tpspec.sampling_params import StructuredOutputsParams
+
+from .outputs import assert_satisfies
 
 ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "import os", "Tensor parallelism"]
@@ -62,14 +61,6 @@ def _requests() -> list[tuple[str, str, SamplingParams]]:
                      SamplingParams(temperature=1.0, seed=100 + i, top_k=50, max_tokens=MAX_TOKENS, structured_outputs=so)))
     return reqs
 
-
-def _check(name: str, text: str) -> None:
-    if name in SCHEMAS:
-        jsonschema.validate(json.loads(text), SCHEMAS[name])
-    elif name == "regex":
-        assert re.fullmatch(REGEX, text), text
-    else:
-        assert text in CHOICES, text
 
 
 _RUNS: dict[str, dict] = {}
@@ -131,10 +122,10 @@ def test_plain_outputs_keep_their_constraints_at_tp1_and_tp2(request):
     one, two = _plain(1, request), _plain(2, request, sampling_mode="vocab-parallel")
     assert one["ids"] == two["ids"]  # greedy and seeded alike
     reqs = _requests()
-    ended = [(name, text) for (name, _, _), text, finish in zip(reqs, one["texts"], one["finish"]) if finish == "stop"]
+    ended = [(p.structured_outputs, text) for (_, _, p), text, finish in zip(reqs, one["texts"], one["finish"]) if finish == "stop"]
     assert len(ended) >= len(reqs) * 3 // 4, one["finish"]
-    for name, text in ended:
-        _check(name, text)
+    for so, text in ended:
+        assert_satisfies(so, text)
     assert one["grammars_left"] == 0  # every request's grammar went with it
 
 
@@ -148,9 +139,9 @@ def test_speculative_output_under_a_grammar_equals_plain_output(case, request):
     reqs = _requests()
     greedy = [i for i, (_, _, p) in enumerate(reqs) if p.temperature == 0]
     assert [got["ids"][i] for i in greedy] == [plain["ids"][i] for i in greedy]
-    for (name, _, _), text, finish in zip(reqs, got["texts"], got["finish"]):
+    for (_, _, p), text, finish in zip(reqs, got["texts"], got["finish"]):
         if finish == "stop":
-            _check(name, text)
+            assert_satisfies(p.structured_outputs, text)
     assert got["stats"]["num_accepted_tokens"] > 0
 
 
