@@ -1,4 +1,4 @@
-"""The KV cache: block size and how many blocks."""
+"""The KV cache: block size, how many blocks, and whether full blocks are cached for reuse."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ class CacheConfig:
     # Number of KV blocks; None = derive from kv_cache_memory_gb.
     num_gpu_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
+    # Automatic prefix caching (engine.kv_cache): full blocks are kept by the hash of their tokens
+    # and reused by later requests that start with the same tokens.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 1024)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.num_gpu_blocks is not None:
             check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
         if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):

@@ -51,6 +51,13 @@ class EngineConfig:
         spec = self.speculative
         return 0 if spec is None else spec.method_spec.lookahead_slots(spec.num_speculative_tokens)
 
+    @property
+    def prefix_hash_lookahead(self) -> int:
+        """Tokens after a KV block that its cached KV depends on (prefix caching's block identity):
+        1 when the drafter's KV at t reads token t + 1, else 0."""
+        spec = self.speculative
+        return int(spec is not None and spec.method_spec.kv_reads_next_token)
+
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {MODEL_DTYPES} (resolve 'auto' with resolve_dtype), "

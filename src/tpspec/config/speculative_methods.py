@@ -51,6 +51,10 @@ class SpeculativeMethod:
     # Whether a request that proposes nothing this step leaves its kept tokens unfed until it next
     # proposes (the drafter's deferred feed: such a step costs the drafter nothing).
     defers_feed: bool = False
+    # Whether the drafter's KV at position t depends on token t + 1 too (a head whose row t pairs
+    # the target's hidden state at t with token t + 1): prefix caching then identifies a block by
+    # its tokens and the token after it (``engine.block_hash``).
+    kv_reads_next_token: bool = False
     # The most drafts per step when the config gives no ``num_speculative_tokens``; None: the
     # drafter's checkpoint says (``Speculator.inspect_drafter``), or the config must.
     default_num_speculative_tokens: int | None = None
@@ -129,9 +133,11 @@ register_method(SpeculativeMethod(
 # The shipped head was trained on chains of 6 drafts (``train-draft``'s chain depth).
 register_method(SpeculativeMethod(
     "eagle3", "tpspec.spec_decode.eagle:Eagle3Proposer", CHAIN, aliases=("eagle",), defers_feed=True,
+    kv_reads_next_token=True,
     shipped_drafters={None: "smollm2-135m-eagle3"}, rounds_shipped_drafter_to_q4_1=True,
     default_num_speculative_tokens=6,
 ))
 register_method(SpeculativeMethod(
     "mtp", "tpspec.spec_decode.mtp:MTPProposer", CHAIN, model_from_target=True, defers_feed=True,
+    kv_reads_next_token=True,
 ))

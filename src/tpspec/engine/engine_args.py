@@ -72,6 +72,9 @@ class EngineArgs:
     kv_cache_memory_gb: float = _option(
         _config_default(CacheConfig, "kv_cache_memory_gb"), "KV cache size in GiB (per engine, all layers)", float)
     num_kv_blocks: int | None = _option(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)", int)
+    enable_prefix_caching: bool = _option(
+        _config_default(CacheConfig, "enable_prefix_caching"), "reuse the KV of full blocks a request shares with "
+        "earlier ones (a common system prompt, a chat's history): prefilled once", bool)
     seed: int = _option(_config_default(EngineConfig, "seed"), "seed of requests that set none", int)
     enable_chunked_prefill: bool = _option(
         _config_default(SchedulerConfig, "enable_chunked_prefill"), "split long prompts over steps", cli=False)
@@ -120,6 +123,8 @@ class EngineArgs:
             text = help.get(f.name, meta["help"])
             if meta["type"] is None:  # a switch, off by default
                 parser.add_argument(*names, action="store_true", help=text)
+            elif meta["type"] is bool:  # --name and --no-name
+                parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, help=text)
             else:
                 parser.add_argument(*names, type=meta["type"], default=default, choices=meta["choices"], help=text)
 
@@ -183,7 +188,8 @@ class EngineArgs:
                 distributed_timeout_s=self.distributed_timeout,
             ),
             cache=CacheConfig(block_size=self.block_size, num_gpu_blocks=self.num_kv_blocks,
-                              kv_cache_memory_gb=self.kv_cache_memory_gb),
+                              kv_cache_memory_gb=self.kv_cache_memory_gb,
+                              enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

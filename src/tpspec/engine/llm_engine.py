@@ -52,7 +52,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = Executor(config, device_kind)
         num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          config.prefix_hash_lookahead)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.num_lookahead_tokens)
         spec = config.speculative
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
@@ -232,6 +233,9 @@ class LLMEngine:
             num_kv_blocks=self.block_manager.num_blocks,
             num_free_kv_blocks=self.block_manager.num_free_blocks,
             kv_cache_usage=self.block_manager.usage,
+            num_cached_kv_blocks=self.block_manager.num_cached_blocks,
+            prefix_cache_queries=self.block_manager.num_queried_tokens,
+            prefix_cache_hits=self.block_manager.num_hit_tokens,
             comm=comm.get_comm_stats(),
             comm_bytes_per_row=self._comm_bytes_per_row(),
         )

@@ -1,9 +1,12 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
 Each step gives every running request the tokens it still needs in the KV cache (one for a
 decode, a chunk for a prefill) within ``max_num_batched_tokens``, then admits waiting requests
-while blocks, sequence slots and the token budget last. When blocks run out, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later.
+while blocks, sequence slots and the token budget last; an admitted request first takes the
+cached blocks its tokens start with (``BlockManager.take_cached``) and computes only the rest.
+After each step, a request's full blocks whose target and drafter KV are written are registered
+for later requests. When blocks run out, the most recently admitted running request is
+preempted: its blocks are freed (the registered ones stay cached) and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ class SchedulerOutput:
             if req.num_blocks_on_ranks < 0:
                 new.append(NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.seed,
                                       req.max_tokens, req.eos_token_ids))
-            start = req.num_computed_tokens
-            known = 0 if start == 0 else req.num_blocks_on_ranks  # start 0: the ranks' table starts over
-            seqs.append(SeqStep(req.request_id, start, n, req.block_ids[known:], v, d))
+            restart, req.restart_table = req.restart_table, False
+            known = 0 if restart or req.num_blocks_on_ranks < 0 else req.num_blocks_on_ranks
+            seqs.append(SeqStep(req.request_id, req.num_computed_tokens, n, req.block_ids[known:], v, d, restart))
             req.num_blocks_on_ranks = len(req.block_ids)
         return StepInput(seqs, new, self.finished_req_ids)
 
@@ -77,6 +80,7 @@ class Scheduler:
             self.waiting.remove(req)
         if not req.status.finished:
             req.status = status
+        self.block_manager.cache_blocks(req, req.num_computed_tokens - req.drafter_lag)
         self.block_manager.free(req)
         self.finished_req_ids.append(request_id)
         return req
@@ -86,6 +90,8 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.drafter_lag = 0  # the ranks drop the drafter's deferred feed
+        req.restart_table = req.num_blocks_on_ranks >= 0
         req.num_spec_tokens = 0  # the ranks' drafts are dropped by the recompute
         self.waiting.appendleft(req)
 
@@ -123,13 +129,19 @@ class Scheduler:
             return self._carry_finished(out)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            hit = self.block_manager.take_cached(req)  # a request waits with nothing computed
+            n = req.num_tokens - hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
+                    self.block_manager.free(req)
                     break
                 n = budget
-            if not self.block_manager.allocate(req, self._kv_tokens(req.num_computed_tokens + n)):
+            if not self.block_manager.allocate(req, self._kv_tokens(hit + n)):
+                self.block_manager.free(req)
                 break
+            if self.block_manager.enable_caching:
+                self.block_manager.count_query(req.num_tokens, hit)
+            req.num_computed_tokens = hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -158,6 +170,7 @@ class Scheduler:
             accepted = result.num_accepted[i] if result.num_accepted else 0
             req.num_computed_tokens += n + accepted  # KV of rejected drafts is dropped (overwritten later)
             req.num_spec_tokens = result.num_drafts[i] if result.num_drafts else 0
+            req.drafter_lag = result.drafter_lag[i] if result.drafter_lag else 0
             emitted = 0
             for token in result.sampled[i]:
                 req.output_token_ids.append(token)
@@ -165,6 +178,8 @@ class Scheduler:
                 if req.check_stop(token):
                     self.finish_request(req.request_id, req.status)
                     break
+            if not req.status.finished:
+                self.block_manager.cache_blocks(req, req.num_computed_tokens - req.drafter_lag)
             if emitted:
                 touched.append((req, emitted))
         return touched

@@ -43,6 +43,13 @@ class Request(TokenSequence):
     on_token: Callable[[int], str | None] | None = field(default=None, repr=False)
     num_spec_tokens: int = 0  # drafts the ranks hold for it, verifiable in its next step
     num_blocks_on_ranks: int = -1  # how many of block_ids the ranks know; -1: the ranks have not seen it
+    restart_table: bool = False  # re-admitted after a preemption: the ranks' block table starts over
+    # Prefix caching (engine.kv_cache): the hashes of its full blocks so far, how many of its
+    # blocks are registered (or were taken from the cache), and how many of its latest computed
+    # tokens the ranks' drafter has not fed yet (their blocks wait to be registered).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    drafter_lag: int = 0
 
     @property
     def finish_reason(self) -> str | None:

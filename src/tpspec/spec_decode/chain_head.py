@@ -17,10 +17,9 @@ A sequence that proposes no drafts this step (k = 0) puts its refeed off: its ro
 in which it proposes again, so steps without speculation cost the head nothing, and its KV is
 complete whenever it drafts.
 
-A partial prefill chunk ``x_s … x_e`` feeds rows s … e − 1 only, at once: its last row needs x_{e+1},
-which the next chunk brings, and the target features of x_e are gone by then, so the draft KV
-of position e stays unwritten (a stale key for that sequence's later drafts; outputs are still
-verified by the target, so this costs acceptance, never correctness).
+A partial prefill chunk ``x_s … x_e`` feeds rows s … e − 1 at once; its last row needs x_{e+1}, which
+the next chunk brings, so that row waits (its target features kept) and is fed with the next chunk.
+The head's KV is therefore written at every computed position but those it put off (``lag``).
 """
 
 from __future__ import annotations
@@ -35,11 +34,23 @@ from tpspec.spec_decode.speculator import DraftInput, DraftModelSpeculator, Draf
 
 @dataclass
 class DeferredRows:
-    """Rows of one sequence the head has not fed yet (consecutive positions)."""
+    """Rows of one sequence the head has not fed yet (consecutive positions). The last row may
+    still wait for its next token (the end of a partial prefill chunk): then ``ids`` is one short."""
 
-    ids: list[int]  # [n] token t + 1 of row t
+    ids: list[int]  # [n] or [n − 1] token t + 1 of row t
     positions: list[int]  # [n]
     features: list[torch.Tensor]  # per step deferred: [n_step, feature_width] target features
+
+    def split_ready(self) -> tuple[list[int], list[int], torch.Tensor, "DeferredRows | None"]:
+        """The rows whose next token is known (ids, positions, features [rows, feature_width]), and
+        the row still waiting, if any (its features copied: a view would keep the step's captured
+        hidden states alive)."""
+        features = self.features[0] if len(self.features) == 1 else torch.cat(self.features)
+        n = len(self.ids)
+        waiting = None
+        if n < len(self.positions):
+            waiting = DeferredRows([], self.positions[n:], [features[n:].clone()])
+        return self.ids, self.positions[:n], features[:n], waiting
 
 
 class ChainHeadProposer(DraftModelSpeculator):
@@ -89,35 +100,47 @@ class ChainHeadProposer(DraftModelSpeculator):
         hidden = torch.zeros(num_rows, self.hidden_size, dtype=self.model.dtype, device=self.device)
         self.dummy_sample(self._dummy_run(hidden, 1))
 
+    def flush(self, req_id: str, block_table: list[int]) -> int:
+        state = self.states[req_id]
+        if state.deferred is None:
+            return 0
+        ids, positions, features, state.deferred = state.deferred.split_ready()
+        if ids:
+            self._run(ids, positions, self._hidden(features), [len(ids)], [block_table])
+        return len(ids)
+
     @torch.inference_mode()
     def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
         # 1. Refeed: row t = (features at t, token t + 1) at position t, for every kept t whose next
         # token is known, of the proposing sequences (with what they deferred) and of partial
-        # prefill chunks; the other sequences defer theirs.
+        # prefill chunks (whose last row waits); the other sequences defer theirs.
         ids, positions, feature_chunks, fed, lens = [], [], [], [], []
         offset = 0
         for i, tokens in enumerate(inp.token_ids):
-            n = len(tokens) - 1  # rows with a known next token
+            n = inp.num_context(i)  # rows this step adds: one per kept token the target ran
             features = inp.target_features[offset : offset + n]  # [n, F]
-            offset += inp.num_context(i)
-            rows = DeferredRows(tokens[1:], list(range(inp.start_pos[i], inp.start_pos[i] + n)), [features])
-            backlog, states[i].deferred = states[i].deferred, None
-            if backlog is not None:  # extended in place: a step adds its rows, nothing is copied again
-                backlog.ids += rows.ids
-                backlog.positions += rows.positions
-                backlog.features.append(features)
-                rows = backlog
-            # A partial prefill chunk feeds now: its next chunk starts a row later (see above).
+            offset += n
+            rows, states[i].deferred = states[i].deferred, None
+            if rows is None:
+                rows = DeferredRows([], [], [])
+            # Extended in place: a step adds its rows, nothing is copied again. A row waiting for its
+            # next token (a partial chunk's last) gets this step's first token.
+            rows.ids += tokens if len(rows.ids) < len(rows.positions) else tokens[1:]
+            rows.positions += range(inp.start_pos[i], inp.start_pos[i] + n)
+            rows.features.append(features)
             if inp.num_drafts[i] == 0 and inp.sampled[i] and len(rows.positions) <= self.max_deferred_tokens:
                 rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive
                 states[i].deferred = rows if rows.positions else None
                 continue
-            if rows.positions:
-                ids += rows.ids
-                positions += rows.positions
-                feature_chunks += rows.features
+            if not rows.positions:
+                continue
+            ready_ids, ready_pos, ready_features, states[i].deferred = rows.split_ready()
+            if ready_ids:
+                ids += ready_ids
+                positions += ready_pos
+                feature_chunks.append(ready_features)
                 fed.append(i)
-                lens.append(len(rows.positions))
+                lens.append(len(ready_ids))
         if not fed:
             return len(positions)
         features = torch.cat(feature_chunks)  # [rows, F]

@@ -94,6 +94,20 @@ class DFlashSpeculator(DraftModelSpeculator):
             hidden = self.model(embeds, positions, self.kv_caches, md)
         self.dummy_sample(hidden)
 
+    def flush(self, req_id: str, block_table: list[int]) -> int:
+        state = self.states[req_id]
+        deferred, state.deferred = state.deferred, None
+        if deferred is None:
+            return 0
+        with self._tp_context():
+            self.model.write_context(
+                torch.cat(deferred.features),
+                torch.tensor(deferred.positions, dtype=torch.int64, device=self.device),
+                torch.tensor(deferred.slots, dtype=torch.int64, device=self.device),
+                self.kv_caches,
+            )
+        return len(deferred.positions)
+
     @torch.inference_mode()
     def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
         bs = self.engine_config.cache.block_size

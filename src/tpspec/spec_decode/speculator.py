@@ -105,8 +105,9 @@ class DraftState:
 
     draft_ids: list[int] = field(default_factory=list)  # proposed for the request's next step
     draft_dists: torch.Tensor | None = None  # [len(draft_ids), width] q of probabilistic drafts (see DraftSample)
-    # The drafter's work on the request's kept tokens put off until it next proposes (its own
-    # type: ``dflash.DeferredContext``, ``chain_head.DeferredRows``); None: none.
+    # The drafter's work on the request's latest kept tokens put off until it next proposes (its
+    # own type, with the ``positions`` it covers: ``dflash.DeferredContext``,
+    # ``chain_head.DeferredRows``); None: none.
     deferred: object | None = None
 
 
@@ -167,6 +168,17 @@ class Speculator:
     def draft_dists(self, req_id: str) -> torch.Tensor | None:
         """q of the held drafts ([len(drafts), width]; probabilistic drafting), or None."""
         return self.states[req_id].draft_dists
+
+    def lag(self, req_id: str) -> int:
+        """How many of the request's latest computed tokens the drafter has not fed yet (its
+        deferred feed): its KV at those positions is not written."""
+        deferred = self.states[req_id].deferred
+        return 0 if deferred is None else len(deferred.positions)
+
+    def flush(self, req_id: str, block_table: list[int]) -> int:
+        """Feed what the request's drafter put off (an ended request, so that its blocks are
+        cached with the drafter's KV written); returns the rows fed."""
+        return 0
 
     # ---- proposing --------------------------------------------------------------------------
     def propose(self, inp: DraftInput) -> int:

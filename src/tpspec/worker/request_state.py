@@ -107,12 +107,12 @@ class RequestStates:
         self.requests.pop(req_id, None)
 
     def schedule(self, seqs: list[SeqStep]) -> list[RankRequest]:
-        """The step's requests in order, their block changes applied (a sequence fed from position
-        0 starts its block table over)."""
+        """The step's requests in order, their block changes applied (a sequence recomputed after a
+        preemption starts its block table over)."""
         reqs = []
         for s in seqs:
             req = self.requests[s.req_id]
-            if s.start_pos == 0:  # nothing cached: first chunk, or recomputed after a preemption
+            if s.restart:
                 req.block_ids = []
             req.block_ids.extend(s.new_block_ids)
             reqs.append(req)

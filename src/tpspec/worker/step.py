@@ -32,11 +32,12 @@ class SeqStep:
     emit the verified drafts and the token after them, then propose ``num_draft`` drafts."""
 
     req_id: str
-    start_pos: int  # tokens already in the KV cache (0: after a preemption, the block table starts over)
+    start_pos: int  # tokens already in the KV cache (cached blocks a new request took included)
     num_new_tokens: int
     new_block_ids: list[int]  # appended to the request's block table
     num_spec: int = 0
     num_draft: int = 0
+    restart: bool = False  # recomputed after a preemption: the block table and the drafter's state start over
 
 
 @dataclass
@@ -60,6 +61,9 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs] | None]  # per emitted token, if the request asked for them
     num_accepted: list[int] = field(default_factory=list)  # accepted drafts per sequence
     num_drafts: list[int] = field(default_factory=list)  # drafts the ranks now hold per sequence
+    # Per sequence: how many of its latest computed tokens the drafter has not fed yet (its
+    # deferred feed); their KV blocks are not registered for prefix caching until it has.
+    drafter_lag: list[int] = field(default_factory=list)
     target_s: float = 0.0  # rank 0's time in the target's forward, LM head and verification
     drafter_s: float = 0.0  # rank 0's time in the drafter
     drafter_fed_rows: int = 0  # rows rank 0's drafter fed (its deferred backlogs included)

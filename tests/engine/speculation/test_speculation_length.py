@@ -187,15 +187,18 @@ def test_chain_head_step_without_drafts_runs_no_head(method, tiny_llama, drafter
     from tpspec.spec_decode.chain_head import ChainHeadProposer
 
     calls = []  # per propose call: (anyone proposing, every sequence sampled, head forwards)
+    runs = [0]  # head forwards so far (an ended request's flush for prefix caching included)
     propose, run = ChainHeadProposer._propose, ChainHeadProposer._run
 
     def counting_run(self, *args, **kwargs):
-        calls[-1][2] += 1
+        runs[0] += 1
         return run(self, *args, **kwargs)
 
     def counting_propose(self, inp, states):
-        calls.append([any(inp.num_drafts), all(inp.sampled), 0])
-        return propose(self, inp, states)
+        before = runs[0]
+        out = propose(self, inp, states)
+        calls.append([any(inp.num_drafts), all(inp.sampled), runs[0] - before])
+        return out
 
     def every_other_step(self, reqs, real_rows):  # random k, and k = 0 for all on every other step
         self._step = getattr(self, "_step", 0) + 1
