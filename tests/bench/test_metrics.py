@@ -172,3 +172,19 @@ def test_vllm_counter_names_are_understood():
     ])
     delta = spec_decode_delta({}, parse_metrics(text))  # counters that did not exist before start at 0
     assert delta == SpecDecodeDelta(8, 24, 12, (7, 5), None)
+
+
+def test_prefix_cache_hit_rate_from_the_servers_metric_deltas():
+    from tpspec.bench.metrics import prefix_cache_delta
+    from tpspec.bench.report import format_serve_table
+
+    before = _scrape(prefix_cache_queries=1000, prefix_cache_hits=200)
+    after = _scrape(prefix_cache_queries=5000, prefix_cache_hits=3200)
+    delta = prefix_cache_delta(before, after)
+    assert delta == {"prefix_cache_queries": 4000, "prefix_cache_hits": 3000, "prefix_cache_hit_rate": 0.75}
+    vllm = {(name.replace("tpspec:", "vllm:"), labels): v for (name, labels), v in after.items()}
+    assert prefix_cache_delta({}, vllm)["prefix_cache_hits"] == 3200  # vLLM's names, counted from zero
+    assert prefix_cache_delta(None, after) is None and prefix_cache_delta({}, {}) is None
+    m = compute_metrics([A], DURATION, None).to_dict()
+    table = format_serve_table({**m, **delta, "completed": 1, "failed": 0})
+    assert "Prefix Cache" in table and "75.00" in table

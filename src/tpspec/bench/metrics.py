@@ -256,6 +256,23 @@ def spec_decode_delta(before: MetricsSnapshot | None, after: MetricsSnapshot | N
     return None
 
 
+def prefix_cache_delta(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict[str, float] | None:
+    """The prefix-cache counters' growth between two scrapes (``prefix_cache_queries`` and
+    ``prefix_cache_hits``, in tokens, as tpspec and vLLM name them) and the hit rate; None when the
+    server does not expose them or a scrape is missing."""
+    if before is None or after is None:
+        return None
+    for prefix in METRIC_PREFIXES:
+        queries, hits = (_sum(after, prefix + name) for name in ("prefix_cache_queries", "prefix_cache_hits"))
+        if queries is None or hits is None:
+            continue
+        queries -= _sum(before, prefix + "prefix_cache_queries") or 0.0
+        hits -= _sum(before, prefix + "prefix_cache_hits") or 0.0
+        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else None}
+    return None
+
+
 def _per_pos_delta(before: MetricsSnapshot, after: MetricsSnapshot, family: str) -> tuple[float, ...]:
     pos_after, pos_before = _per_pos(after, family), _per_pos(before, family)
     return tuple(pos_after.get(i, 0.0) - pos_before.get(i, 0.0) for i in range(max(pos_after, default=-1) + 1))

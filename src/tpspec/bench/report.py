@@ -48,6 +48,14 @@ def format_serve_table(r: dict[str, Any]) -> str:
         lines.append(_section(title))
         lines += [row(f"{stat.capitalize()} {name} (ms):", r[f"{stat}_{key}_ms"]) for stat in ("mean", "median")]
         lines.append(row(f"P99 {name} (ms):", r[f"p99_{key}_ms"]))
+    if r.get("prefix_cache_queries") is not None:
+        rate = r["prefix_cache_hit_rate"]
+        lines += [
+            _section("Prefix Cache"),
+            row("Hit rate (%):", None if rate is None else 100 * rate),
+            row("Queried tokens:", int(r["prefix_cache_queries"])),
+            row("Hit tokens:", int(r["prefix_cache_hits"])),
+        ]
     if r.get("spec_decode_num_drafts") is not None:
         rate = r["spec_decode_acceptance_rate"]
         per_pos = r["spec_decode_per_position_acceptance_rate"]

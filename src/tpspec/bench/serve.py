@@ -33,6 +33,7 @@ from tpspec.bench.metrics import (
     RequestRecord,
     compute_metrics,
     parse_metrics,
+    prefix_cache_delta,
     spec_decode_delta,
 )
 from tpspec.sampling_params import CLI_SAMPLING_DEFAULTS
@@ -286,6 +287,7 @@ async def run_benchmark(target: Target, w: Workload, show_progress: bool = True)
         "model_id": model,
         **settings,
         **figures.to_dict(),
+        **(prefix_cache_delta(before, after) or {}),
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens for r in records],
         "generated_texts": [r.generated_text for r in records],

@@ -55,6 +55,10 @@ class _EngineStatsCollector:
         yield counter("tpspec:prompt_tokens", "Prompt tokens accepted by the engine.", s.get("num_prompt_tokens", 0))
         yield counter("tpspec:generation_tokens", "Tokens generated.", s.get("num_generation_tokens", 0))
         yield counter("tpspec:num_preemptions", "Requests preempted (KV cache full).", s.get("num_preemptions", 0))
+        yield counter("tpspec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at admission).",
+                      s.get("prefix_cache_queries", 0))
+        yield counter("tpspec:prefix_cache_hits", "Of those, tokens found cached (not computed).",
+                      s.get("prefix_cache_hits", 0))
         if "num_drafts" in s:
             yield counter("tpspec:spec_decode_num_drafts", "Verification rounds with at least one draft token.", s["num_drafts"])
             yield counter("tpspec:spec_decode_num_draft_tokens", "Draft tokens proposed.", s["num_draft_tokens"])
