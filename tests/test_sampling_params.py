@@ -47,7 +47,8 @@ def test_any_int_seed_is_accepted():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
         ({"n": True}, "n"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),

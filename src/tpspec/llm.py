@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm import tqdm
@@ -27,7 +28,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in the order given. A prompt is text or token ids."""
+        """One ``RequestOutput`` per prompt, in the order given, with ``n`` completions each
+        (``SamplingParams.n``: the prompt is prefilled once, its choices share its KV blocks). A
+        prompt is text or token ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -40,15 +43,28 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         engine = self.llm_engine
-        ids = []
+        groups: list[list[str]] = []  # per prompt, the engine requests of its choices
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(engine.add_request(p, sp))
+            for p, sp in zip(prompts, (sp or SamplingParams() for sp in params)):
+                group: list[str] = []
+                groups.append(group)
+                for choice in sp.choices() if isinstance(sp, SamplingParams) else [sp]:  # the engine refuses a non-SamplingParams
+                    group.append(engine.add_request(p, choice, after=group[0] if group else None))
         except Exception:
-            for rid in ids:
+            for rid in (r for g in groups for r in g):
                 engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        final = self._run([r for g in groups for r in g], use_tqdm)
+        return [self._merge([final[r] for r in g]) for g in groups]
+
+    @staticmethod
+    def _merge(choices: list[RequestOutput]) -> RequestOutput:
+        """The outputs of one prompt's choices as one ``RequestOutput`` (the first one's id)."""
+        if len(choices) == 1:
+            return choices[0]
+        first = choices[0]
+        outputs = [dataclasses.replace(c.outputs[0], index=i) for i, c in enumerate(choices)]
+        return dataclasses.replace(first, outputs=outputs, new_text="", new_token_ids=[])
 
     def chat(
         self,
@@ -62,7 +78,7 @@ class LLM:
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
@@ -81,7 +97,7 @@ class LLM:
                     except Exception:  # noqa: BLE001 - e.g. a dead TP group; the first error matters
                         pass
             raise
-        return [final[i] for i in ids]
+        return final
 
     def get_stats(self) -> dict:
         return self.llm_engine.get_stats()

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-2
 # Most top logprobs a request may ask for.
 MAX_LOGPROBS = 20
+# Most choices (``n``) one request may ask for.
+MAX_CHOICES = 64
 
 
 def _check_int(name: str, value: Any, allowed: str, ok: Callable[[int], bool] | None = None) -> None:
@@ -143,7 +145,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, "only 1 is supported", lambda v: v == 1)
+        _check_int("n", self.n, f"1 to {MAX_CHOICES}", lambda v: 1 <= v <= MAX_CHOICES)
 
         temperature = _check_float("temperature", self.temperature)
         if temperature < 0:
@@ -228,6 +230,13 @@ class SamplingParams:
         if num_output_tokens >= max_tokens:
             return "length", None
         return None
+
+    def choices(self) -> list["SamplingParams"]:
+        """The ``n`` choices of a request as one-sequence requests (``n`` 1 each), as ``LLM`` and the
+        server fan them out: choice i is seeded ``seed + i`` when the request is seeded (so a seeded
+        request gives the same n choices every time, choice 0 being what ``n = 1`` gives), and
+        draws its own seed otherwise; the engine runs each as an independent request."""
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     @property
     def is_greedy(self) -> bool:

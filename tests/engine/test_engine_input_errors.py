@@ -132,7 +132,8 @@ def _assert_still_serving(llm: LLM, reference) -> None:
         ("stop", dict(stop=[""])),
         ("stop_token_ids", dict(stop_token_ids=[-1])),
         ("logprobs", dict(logprobs=-1)),
-        ("n", dict(n=2)),
+        ("n", dict(n=0)),
+        ("n", dict(n=65)),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, kwargs):

@@ -34,7 +34,7 @@ class FakeEngine:
     def _called(self) -> None:
         self.threads.add(threading.get_ident())
 
-    def add_request(self, prompt, params=None, request_id=None) -> str:
+    def add_request(self, prompt, params=None, request_id=None, after=None) -> str:
         self._called()
         if prompt == "bad" or prompt == []:
             raise ValueError("prompt is bad")

@@ -202,7 +202,7 @@ BAD_COMPLETIONS = {
     "temperature as string": ({"model": MODEL, "prompt": "a", "temperature": "hot"}, 400, "temperature"),
     "top_p above 1": ({"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
     "top_p zero": ({"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
-    "n above 1": ({"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    "n above the most choices": ({"model": MODEL, "prompt": "a", "n": 65}, 400, "n"),
     "logprobs too many": ({"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
     "stream not a bool": ({"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
     "stop wrong type": ({"model": MODEL, "prompt": "a", "stop": 3}, 400, "stop"),

@@ -252,8 +252,9 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        after: str | None = None,
     ) -> RequestStream:
-        """Queue a request and wait until the engine accepted it.
+        """Queue a request and wait until the engine accepted it (``after``: ``LLMEngine.add_request``'s).
 
         Bad input raises ``ValueError`` (from ``LLMEngine.add_request``); a dead engine raises
         ``EngineDeadError``; a full queue raises ``EngineOverloadedError``. Iterate the returned
@@ -277,7 +278,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self._submit(("add", request_id, prompt, params, accepted))
+            self._submit(("add", request_id, prompt, params, after, accepted))
             await asyncio.wrap_future(accepted)
         except BaseException:
             # Rejected by the engine (nothing to undo), dead, or cancelled while waiting (if the
@@ -414,11 +415,11 @@ class AsyncEngine:
     def _apply(self, engine: LLMEngine, command: tuple) -> bool:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, accepted = command
+            _, request_id, prompt, params, after, accepted = command
             if not accepted.set_running_or_notify_cancel():  # the caller gave up before we got here
                 return True
             try:
-                engine.add_request(prompt, params, request_id)
+                engine.add_request(prompt, params, request_id, after)
             except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
                 accepted.set_exception(e)
                 with self._lock:

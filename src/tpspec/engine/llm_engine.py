@@ -97,11 +97,19 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        after: str | None = None,
     ) -> str:
-        """Queue a request; bad input raises ``ValueError`` and leaves the engine untouched."""
+        """Queue a request; bad input raises ``ValueError`` and leaves the engine untouched.
+
+        ``after``: another request with the same prompt (a sibling choice of ``n > 1``); with prefix
+        caching this one is admitted only once that one has computed its prompt, and takes its
+        blocks instead of prefilling the prompt again."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"the engine runs one sequence per request, got n={params.n}: add each of "
+                             "params.choices() (LLM.generate and the server do)")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
         ids = check_prompt(ids, self.config.arch.vocab_size, self.config.scheduler.max_model_len)
         self.check_structured_outputs(params)
@@ -114,6 +122,8 @@ class LLMEngine:
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, seed, max_tokens, self.eos_token_ids)
+        if after is not None and self.config.cache.enable_prefix_caching:
+            req.wait_for = after
         tracked = self._tracked[request_id] = _Tracked(req, text, IncrementalDetokenizer(self.tokenizer, ids, params))
         req.on_token = tracked.take_token
         self.scheduler.add_request(req)

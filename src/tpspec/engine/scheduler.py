@@ -127,8 +127,12 @@ class Scheduler:
             i += 1
         if out.num_preempted:
             return self._carry_finished(out)
+        held = []  # waiting for a sibling's prefill: passed over this step, kept in order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._waits_for_sibling(req):
+                held.append(self.waiting.popleft())
+                continue
             hit = self.block_manager.take_cached(req)  # a request waits with nothing computed
             n = req.num_tokens - hit
             if n > budget:
@@ -149,7 +153,20 @@ class Scheduler:
             out.num_new_tokens.append(n)
             out.max_spec.append(0)
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return self._carry_finished(out)
+
+    def _waits_for_sibling(self, req: Request) -> bool:
+        """Whether ``req`` should wait for the sibling it names (``Request.wait_for``, the first
+        choice of an ``n > 1`` request): until that one has computed its prompt, whose blocks it
+        then takes from the cache. It stops waiting when the sibling ends."""
+        if req.wait_for is None:
+            return False
+        sibling = self.requests.get(req.wait_for)
+        if sibling is None or sibling.num_computed_tokens >= len(sibling.prompt_token_ids):
+            req.wait_for = None
+            return False
+        return True
 
     def _carry_finished(self, out: SchedulerOutput) -> SchedulerOutput:
         """Requests ended since the last step ride on the next step that runs (the ranks drop

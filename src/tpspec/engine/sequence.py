@@ -50,6 +50,7 @@ class Request(TokenSequence):
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     drafter_lag: int = 0
+    wait_for: str | None = None  # a sibling with the same prompt whose prefill this one waits for
 
     @property
     def finish_reason(self) -> str | None:

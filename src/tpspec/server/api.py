@@ -125,13 +125,29 @@ class OpenAIServer:
     async def start(
         self, ids: list[int], params: SamplingParams, request_id: str, request: Request,
         constraint_param: str | None = None,
-    ) -> RequestStream:
-        """Hand the request to the engine; ``constraint_param``: the request field holding its
-        structured-output constraint, which a grammar the engine rejects is reported against."""
+    ) -> list[RequestStream]:
+        """Hand the request to the engine, one engine request per choice (``params.n``; the first
+        computes the prompt, the others take its blocks); ``constraint_param``: the request field
+        holding its structured-output constraint, which a grammar the engine rejects is reported
+        against. Returns the choices' streams, in order; if one is refused, none runs."""
         self.check_engine()
         request.state.log.update(completion_id=request_id, prompt_tokens=len(ids))
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.add_request(ids, params, request_id)
+            for i, choice in enumerate(params.choices()):
+                engine_id = request_id if params.n == 1 else f"{request_id}-{i}"
+                after = streams[0].request_id if streams else None
+                streams.append(await self._add(ids, choice, engine_id, after, constraint_param))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+    async def _add(self, ids: list[int], params: SamplingParams, request_id: str, after: str | None,
+                   constraint_param: str | None) -> RequestStream:
+        try:
+            return await self.engine.add_request(ids, params, request_id, after)
         except GrammarError as e:
             raise APIError(str(e), param=constraint_param) from None
         except ValueError as e:
@@ -192,32 +208,39 @@ class OpenAIServer:
         max_tokens = self.resolve_max_tokens(requested, default, len(ids), "max_tokens")
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("cmpl")
-        timer = RequestTimer(self.metrics, request.state.log)
-        stream = await self.start(ids, params, request_id, request, req.constraint_param)
+        timer = RequestTimer(self.metrics, request.state.log, params.n)
+        streams = await self.start(ids, params, request_id, request, req.constraint_param)
         base = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         want_logprobs = params.logprobs is not None
 
         if req.stream:
-            text_offset = 0
+            text_offset = [0] * params.n  # per choice
 
-            def choice(out: RequestOutput) -> dict:
-                nonlocal text_offset
+            def choice(out: RequestOutput, index: int) -> dict:
                 c, lp = out.outputs[0], None
                 if want_logprobs:
                     start = len(c.token_ids) - len(out.new_token_ids)
-                    lp = self.completion_logprobs(out.new_token_ids, (c.logprobs or [])[start:], text_offset)
-                    text_offset += sum(len(t) for t in lp["tokens"])
-                return {"index": 0, "text": out.new_text, "logprobs": lp}
+                    lp = self.completion_logprobs(out.new_token_ids, (c.logprobs or [])[start:], text_offset[index])
+                    text_offset[index] += sum(len(t) for t in lp["tokens"])
+                return {"index": index, "text": out.new_text, "logprobs": lp}
 
-            return sse_response(request, sse_events(stream, timer, deadline, base, req, want_logprobs, choice))
+            return sse_response(request, sse_events(streams, timer, deadline, base, req, want_logprobs, choice))
 
-        final = await collect_final(request, stream, timer, deadline)
-        if final is None:
+        finals = await collect_final(request, streams, timer, deadline)
+        if finals is None:
             return Response(status_code=499)
-        c = final.outputs[0]
-        lp = self.completion_logprobs(c.token_ids, c.logprobs or [], 0) if want_logprobs else None
-        choice = {"index": 0, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return JSONResponse(dict(base, choices=[choice], usage=usage(len(final.prompt_token_ids), len(c.token_ids))))
+        choices = []
+        for i, final in enumerate(finals):
+            c = final.outputs[0]
+            lp = self.completion_logprobs(c.token_ids, c.logprobs or [], 0) if want_logprobs else None
+            choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        return JSONResponse(dict(base, choices=choices, usage=self.usage_of(finals)))
+
+    @staticmethod
+    def usage_of(finals: list[RequestOutput]) -> dict[str, int]:
+        """Token counts of a request: its prompt once, every choice's output."""
+        return usage(len(finals[0].prompt_token_ids), sum(len(f.outputs[0].token_ids) for f in finals))
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = self.limits.deadline()
@@ -240,34 +263,39 @@ class OpenAIServer:
         max_tokens = self.resolve_max_tokens(requested, default, len(ids), param)
         params = dataclasses.replace(params, max_tokens=max_tokens)
         request_id = new_id("chatcmpl")
-        timer = RequestTimer(self.metrics, request.state.log)
-        stream = await self.start(ids, params, request_id, request, req.constraint_param)
+        timer = RequestTimer(self.metrics, request.state.log, params.n)
+        streams = await self.start(ids, params, request_id, request, req.constraint_param)
         base = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         top_n = req.top_logprobs or 0
         want_logprobs = params.logprobs is not None
 
         if req.stream:
             base["object"] = "chat.completion.chunk"
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-            def choice(out: RequestOutput) -> dict:
+            def first(index: int) -> dict:
+                return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+
+            def choice(out: RequestOutput, index: int) -> dict:
                 c, lp = out.outputs[0], None
                 if want_logprobs:
                     start = len(c.token_ids) - len(out.new_token_ids)
                     lp = self.chat_logprobs(out.new_token_ids, (c.logprobs or [])[start:], top_n)
                 delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
-                return {"index": 0, "delta": delta, "logprobs": lp}
+                return {"index": index, "delta": delta, "logprobs": lp}
 
-            return sse_response(request, sse_events(stream, timer, deadline, base, req, want_logprobs, choice, first))
+            return sse_response(request, sse_events(streams, timer, deadline, base, req, want_logprobs, choice, first))
 
-        final = await collect_final(request, stream, timer, deadline)
-        if final is None:
+        finals = await collect_final(request, streams, timer, deadline)
+        if finals is None:
             return Response(status_code=499)
-        c = final.outputs[0]
-        lp = self.chat_logprobs(c.token_ids, c.logprobs or [], top_n) if want_logprobs else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return JSONResponse(dict(base, choices=[choice], usage=usage(len(final.prompt_token_ids), len(c.token_ids))))
+        choices = []
+        for i, final in enumerate(finals):
+            c = final.outputs[0]
+            lp = self.chat_logprobs(c.token_ids, c.logprobs or [], top_n) if want_logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse(dict(base, choices=choices, usage=self.usage_of(finals)))
 
     def models(self) -> dict:
         data = [

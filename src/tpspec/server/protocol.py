@@ -164,8 +164,6 @@ class _SamplingFields(_Base):
             raise APIError(str(e), param=param) from None
 
     def _check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(f"n must be 1 (only one choice per request is supported), got {self.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(f"{name} is not supported (must be 0)", param=name)
@@ -183,6 +181,7 @@ class _SamplingFields(_Base):
                         skip_special_tokens=self.skip_special_tokens)
         kwargs: dict[str, Any] = dict(
             {k: v for k, v in optional.items() if v is not None},
+            n=1 if self.n is None else self.n,
             max_tokens=max_tokens,
             seed=self.seed,
             stop=self.stop,

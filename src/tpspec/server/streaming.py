@@ -1,6 +1,8 @@
 """One request's answer, streamed or not: its outputs with timing and the deadline, SSE events
-(a last ``data: {"error": ...}`` event if it fails mid-stream), the final output of a
-non-streamed request, and the abort when the client goes away."""
+(a last ``data: {"error": ...}`` event if it fails mid-stream), the final outputs of a
+non-streamed request, and the abort when the client goes away. A request with ``n`` choices runs
+as n engine requests (``SamplingParams.choices``), whose streams are merged here, each output
+with its choice's index."""
 
 from __future__ import annotations
 
@@ -30,29 +32,36 @@ def dump_json(obj: Any) -> str:
 
 
 class RequestTimer:
-    """Arrival, first token and end of one request, for the latency histograms and the request log."""
+    """Arrival, first token and end of one request (all ``n`` of its choices), for the latency
+    histograms and the request log."""
 
-    def __init__(self, metrics: ServerMetrics, log: dict) -> None:
+    def __init__(self, metrics: ServerMetrics, log: dict, n: int = 1) -> None:
         self.metrics = metrics
         self.log = log
+        self.n = n
         self.arrival = time.monotonic()
         self.first_token: float | None = None
+        self.ended: dict[str, tuple[int, str | None]] = {}  # per finished choice: (tokens, finish reason)
         self.done = False
 
     def on_output(self, out: RequestOutput) -> None:
         if self.first_token is None and out.new_token_ids:
             self.first_token = time.monotonic()
-        if out.finished and not self.done:
-            self.done = True
-            latency = time.monotonic() - self.arrival
-            ttft = None if self.first_token is None else self.first_token - self.arrival
+        if out.finished and out.request_id not in self.ended:
             c = out.outputs[0]
-            self.metrics.observe_request(ttft, latency, len(c.token_ids), c.finish_reason)
-            self.log.update(completion_tokens=len(c.token_ids), finish_reason=c.finish_reason)
+            self.ended[out.request_id] = (len(c.token_ids), c.finish_reason)
+            if len(self.ended) == self.n and not self.done:  # the last choice: the request's end
+                self.done = True
+                latency = time.monotonic() - self.arrival
+                ttft = None if self.first_token is None else self.first_token - self.arrival
+                tokens = sum(t for t, _ in self.ended.values())
+                self.metrics.observe_request(ttft, latency, tokens, c.finish_reason)
+                self.log.update(completion_tokens=tokens, finish_reason=c.finish_reason)
 
-    def on_gone(self, reason: str = "abort") -> None:
-        """The request ended without a finished output (client gone, engine error, deadline)."""
-        if not self.done:
+    def on_gone(self, reason: str = "abort", request_id: str | None = None) -> None:
+        """The request (or its choice ``request_id``) ended without a finished output (client gone,
+        engine error, deadline)."""
+        if not self.done and request_id not in self.ended:
             self.done = True
             self.metrics.request_success.labels(self.metrics.model_name, reason).inc()
             self.log["finish_reason"] = reason
@@ -80,7 +89,44 @@ async def iterate_outputs(stream: RequestStream, timer: RequestTimer, deadline: 
         if expiry is not None:
             expiry.cancel()
         stream.close()
-        timer.on_gone("abort")
+        timer.on_gone("abort", stream.request_id)
+
+
+async def merged_outputs(streams: list[RequestStream], timer: RequestTimer,
+                         deadline: float | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of every choice's stream as they come; the first error ends them
+    all, and closing early aborts every choice still running."""
+    if len(streams) == 1:
+        async for out in iterate_outputs(streams[0], timer, deadline):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in iterate_outputs(stream, timer, deadline):
+                queue.put_nowait((i, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                running -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
 
 
 def failure(error: BaseException) -> APIError:
@@ -91,17 +137,18 @@ def failure(error: BaseException) -> APIError:
 
 
 async def sse_events(
-    stream: RequestStream,
+    streams: list[RequestStream],
     timer: RequestTimer,
     deadline: float | None,
     base: dict,
     req: CompletionRequest | ChatCompletionRequest,
     want_logprobs: bool,
-    choice: Callable[[RequestOutput], dict],
-    first_choice: dict | None = None,
+    choice: Callable[[RequestOutput, int], dict],
+    first_choice: Callable[[int], dict] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE events of one streamed request: a chunk per output that carries text (or logprobs),
-    the finish reason on the last one, then the usage chunk if asked for."""
+    """SSE events of one streamed request: per choice, a chunk per output that carries text (or
+    logprobs), with the choice's index, the finish reason on its last one; then the usage chunk
+    (the prompt once, every choice's tokens) if asked for."""
 
     def chunk(choices: list[dict], usage_value: dict | None) -> str:
         body = dict(base, choices=choices)
@@ -110,18 +157,21 @@ async def sse_events(
         return f"data: {dump_json(body)}\n\n"
 
     if first_choice is not None:
-        yield chunk([first_choice], None)
-    async for out in iterate_outputs(stream, timer, deadline):
+        for i in range(len(streams)):
+            yield chunk([first_choice(i)], None)
+    tokens = [0] * len(streams)
+    prompt_tokens = 0
+    async for i, out in merged_outputs(streams, timer, deadline):
+        c = out.outputs[0]
+        tokens[i], prompt_tokens = len(c.token_ids), len(out.prompt_token_ids)
         if not (out.new_text or out.finished or (want_logprobs and out.new_token_ids)):
             continue
-        c = out.outputs[0]
-        counts = usage(len(out.prompt_token_ids), len(c.token_ids))
-        ch = choice(out)
+        ch = choice(out, i)
         ch["finish_reason"] = c.finish_reason if out.finished else None
         ch["stop_reason"] = c.stop_reason if out.finished else None
-        yield chunk([ch], counts if req.continuous_usage else None)
-        if out.finished and req.include_usage:
-            yield chunk([], counts)
+        yield chunk([ch], usage(prompt_tokens, sum(tokens)) if req.continuous_usage else None)
+    if req.include_usage:
+        yield chunk([], usage(prompt_tokens, sum(tokens)))
 
 
 def sse_response(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
@@ -146,15 +196,16 @@ def sse_response(request: Request, events: AsyncIterator[str]) -> StreamingRespo
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def collect_final(request: Request, stream: RequestStream, timer: RequestTimer,
-                   deadline: float | None) -> RequestOutput | None:
-    """Wait for the final output; None (request aborted) if the client disconnects first."""
+async def collect_final(request: Request, streams: list[RequestStream], timer: RequestTimer,
+                        deadline: float | None) -> list[RequestOutput] | None:
+    """Wait for every choice's final output, in choice order; None (request aborted) if the
+    client disconnects first."""
 
-    async def run() -> RequestOutput | None:
-        final = None
-        async for out in iterate_outputs(stream, timer, deadline):
-            final = out
-        return final
+    async def run() -> list[RequestOutput] | None:
+        final: dict[int, RequestOutput] = {}
+        async for i, out in merged_outputs(streams, timer, deadline):
+            final[i] = out
+        return [final[i] for i in range(len(streams))] if len(final) == len(streams) else None
 
     async def disconnected() -> None:
         while True:
@@ -168,16 +219,18 @@ async def collect_final(request: Request, stream: RequestStream, timer: RequestT
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this handler itself was cancelled
         watcher.cancel()
-        stream.close()
+        for stream in streams:
+            stream.close()
         task.cancel()
         raise
     watcher.cancel()
     if not task.done():  # the client is gone: abort
-        stream.close()
+        for stream in streams:
+            stream.close()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        logger.info("client disconnected; aborted request %s", stream.request_id)
+        logger.info("client disconnected; aborted request %s", streams[0].request_id)
         request.state.log["error"] = error_kind(499)
         return None
     try:
