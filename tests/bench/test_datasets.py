@@ -59,3 +59,22 @@ def test_load_prompts_by_name():
         datasets.load_prompts("random", 2)
     with pytest.raises(ValueError, match="dataset must be one of"):
         datasets.load_prompts("sharegpt", 2)
+
+
+def test_shared_prefix_prompts_share_one_long_system_prompt():
+    prompts = datasets.load_prompts("shared-prefix", 120)
+    system = prompts[0][: prompts[0].index("\n# Task\n")]
+    assert len(system) >= datasets.SHARED_PREFIX_CHARS
+    assert all(p.startswith(system + "\n# Task\n") for p in prompts)
+    assert len(set(prompts[:100])) == 100 and prompts[100] == prompts[0]  # the first 100 problems, cycled
+
+
+def test_multi_turn_prompts_resend_their_history_turn_by_turn():
+    turns = datasets.MULTI_TURN_TURNS
+    prompts = datasets.load_prompts("multi-turn", 3 * turns)  # 3 chats
+    for t in range(1, turns):
+        for c in range(3):
+            earlier, later = prompts[(t - 1) * 3 + c], prompts[t * 3 + c]
+            assert later.startswith(earlier) and len(later) > len(earlier) + 50  # its last turn, answered, and more
+    assert len({p[:200] for p in prompts[:3]}) == 3  # the chats differ
+    assert len(datasets.load_prompts("multi-turn", 5)) == 5

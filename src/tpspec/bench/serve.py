@@ -125,7 +125,7 @@ def workload_prompts(w: Workload) -> list[str] | list[list[int]]:
         if w.num_prompts > HUMANEVAL_SIZE:
             logger.info("HumanEval has %d prompts; cycling them for %d requests", HUMANEVAL_SIZE, w.num_prompts)
         return [base[i % len(base)] for i in range(w.num_prompts)]
-    return load_prompts("random", w.num_prompts, input_len=w.random_input_len, seed=w.seed,
+    return load_prompts(w.dataset, w.num_prompts, input_len=w.random_input_len, seed=w.seed,
                         vocab_size=w.random_vocab_size)
 
 
