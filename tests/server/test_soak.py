@@ -1,11 +1,13 @@
 """Soak: 1,000 requests at 64 concurrent connections against a `tpspec serve` process (tiny model,
 ngram speculative decoding), through the official async client. A mix of greedy and seeded
-sampled requests, completions and chat, streamed and not, some with stop strings, and about one in
-six cancelled (a stream closed after its first chunk, or a non-streamed request abandoned).
+sampled requests (some with n = 2 choices), completions and chat, streamed and not, some with stop
+strings, and about one in six cancelled (a stream closed after its first chunk, or a non-streamed
+request abandoned); prefix caching on (the default).
 
 Asserts: no request fails; every greedy request that completed equals the offline result of a
 non-speculative ``LLM`` on the same prompt and parameters; speculation ran (drafts accepted); at
-the end every KV block is free and nothing is running or waiting; the server's resident memory
+the end every KV block is free (cached ones included) and nothing is running or waiting, blocks
+were taken from the cache and the cached ones are reusable; the server's resident memory
 grew by less than ``RSS_BOUND_MIB`` between the end of a warm-up round and the end of the soak;
 the only errors counted on /metrics are the cancelled requests' client disconnects."""
 
@@ -66,6 +68,7 @@ def _workload(seed: int, n: int) -> list[dict]:
             prompt=rng.choice(PROMPTS), max_tokens=rng.choice([4, 8, 12, 16]),
             stop=["\n"] if kind == "greedy" and rng.random() < 0.2 else None,
             seed=rng.randrange(2**31), ignore_eos=rng.random() < 0.5,
+            n=2 if kind == "sampled" and rng.random() < 0.2 else 1,
         )
         if kind == "cancel" and rng.random() < 0.3:  # a non-streamed request the client abandons
             job.update(stream=False, abandon_after_s=rng.uniform(0.0, 0.05))
@@ -78,7 +81,7 @@ def _request(job: dict) -> dict:
     if job["kind"] == "greedy":
         kw["temperature"] = 0
     else:
-        kw.update(temperature=0.8, top_p=0.95, seed=job["seed"])
+        kw.update(temperature=0.8, top_p=0.95, seed=job["seed"], n=job["n"])
     if job["chat"]:
         kw["messages"] = [{"role": "user", "content": job["prompt"]}]
     else:
@@ -103,19 +106,25 @@ async def _run_one(client, job: dict) -> dict:
     if not job["stream"]:
         out = await api.create(**kw)
         c = out.choices[0]
-        assert out.usage.completion_tokens <= job["max_tokens"]
+        assert out.usage.completion_tokens <= job["max_tokens"] * job["n"]
+        assert [c.index for c in out.choices] == list(range(job["n"]))
         return dict(outcome="done", text=_text(job, c), finish=c.finish_reason)
     stream = await api.create(stream=True, **kw)
-    pieces, finish = [], None
+    pieces, finish, finished = [], None, set()
     async with stream:
         async for chunk in stream:
             if not chunk.choices:
                 continue
             c = chunk.choices[0]
+            if c.finish_reason:
+                finished.add(c.index)
+            if c.index:  # another choice of an n = 2 request
+                continue
             pieces.append((c.delta.content or "") if job["chat"] else c.text)
             finish = c.finish_reason or finish
             if job["kind"] == "cancel" and any(pieces) and finish is None:
                 return dict(outcome="cancelled")  # leaving the block closes the connection mid-stream
+    assert finished == set(range(job["n"])), (job, finished)
     return dict(outcome="done", text="".join(pieces), finish=finish)
 
 
@@ -123,9 +132,9 @@ def _text(job: dict, choice) -> str:
     return choice.message.content if job["chat"] else choice.text
 
 
-async def _run_all(url: str, jobs: list[dict]) -> list[dict]:
+async def _run_all(url: str, jobs: list[dict], concurrency: int = CONCURRENCY) -> list[dict]:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    gate = asyncio.Semaphore(CONCURRENCY)
+    gate = asyncio.Semaphore(concurrency)
     active = peak = 0
 
     async def guarded(job):
@@ -144,7 +153,7 @@ async def _run_all(url: str, jobs: list[dict]) -> list[dict]:
         results = await asyncio.gather(*(guarded(j) for j in jobs))
     finally:
         await client.close()
-    assert peak == CONCURRENCY, peak
+    assert peak == concurrency, peak
     return results
 
 
@@ -195,6 +204,11 @@ def test_soak(tiny_llama, tmp_path, capsys, monkeypatch):
         elapsed = time.monotonic() - start
         rss_after = server.memory_info().rss
         after = metrics(proc.url)
+        # The cached blocks are reusable: a chat prompt the soak sent takes its blocks again.
+        again = dict(kind="greedy", chat=True, stream=False, prompt=PROMPTS[0], max_tokens=4, stop=None, seed=0,
+                     ignore_eos=True, n=1)
+        assert asyncio.run(_run_all(proc.url, [again], concurrency=1))[0]["outcome"] == "done"
+        reused = metrics(proc.url)[("tpspec:prefix_cache_hits_total", ())] - after[("tpspec:prefix_cache_hits_total", ())]
         assert proc.stop() == 0
     finally:
         proc.stop()
@@ -211,6 +225,7 @@ def test_soak(tiny_llama, tmp_path, capsys, monkeypatch):
     assert cancelled >= NUM_REQUESTS // 10
 
     assert after[("tpspec:num_free_kv_blocks", ())] == after[("tpspec:num_kv_blocks", ())] == ENGINE["num_kv_blocks"]
+    assert after[("tpspec:prefix_cache_hits_total", ())] > 0 and reused >= 16
     assert after[("tpspec:num_requests_running", ())] == after[("tpspec:num_requests_waiting", ())] == 0
     drafted = after[("tpspec:spec_decode_num_draft_tokens_total", ())]
     accepted = after[("tpspec:spec_decode_num_accepted_tokens_total", ())]
