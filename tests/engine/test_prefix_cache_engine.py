@@ -3,7 +3,8 @@ equal those without it for every drafting method, at TP 1 and 2, with chunked pr
 Gemma 3's sliding-window layers; the later requests of the workload take cached blocks (a shared
 system prompt, a repeated prompt, a chat that resends its history); a prompt's acceptance with a
 hit equals its acceptance without; afterwards every block is free or cached, and cached ones are
-reused. (The shipped EAGLE-3 and DFlash heads on the real model: test_prefix_cache_drafters.py.)"""
+reused. (The shipped EAGLE-3 and DFlash heads on the real model: test_prefix_cache_drafters.py;
+EAGLE-3's drafting loop, the chain head, runs here through MTP at TP 1 and 2.)"""
 
 from __future__ import annotations
 
@@ -80,10 +81,14 @@ CASES = {
     "self-draft-tp2": (2, dict(_self_draft(False), model="tiny_llama"), {}),
     "dflash-tp1-chunked": (1, dict(method="dflash", model="tiny_dflash", num_speculative_tokens=4, adaptive=False),
                            dict(max_num_batched_tokens=16)),
+    "dflash-tp2-flag": (2, dict(method="dflash", model="tiny_dflash", num_speculative_tokens=4, adaptive=False,
+                                use_local_argmax_reduction=True), {}),
     "mtp-tp1-chunked": (1, dict(method="mtp", model="tiny_mtp", num_speculative_tokens=3, adaptive=False),
                         dict(max_num_batched_tokens=16)),
     "mtp-tp2": (2, dict(method="mtp", model="tiny_mtp", num_speculative_tokens=3, adaptive=True), {}),
     "ngram-tp1": (1, dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False), {}),
+    "ngram-tp2-vocab-parallel": (2, dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False),
+                                 dict(sampling_mode="vocab-parallel")),
 }
 
 
@@ -102,8 +107,8 @@ def test_greedy_output_with_the_cache_equals_output_without(case, tiny_llama, re
     # exchange (48 prompt tokens + 15 of its 16 outputs computed), drafter feed included.
     assert s["prefix_cache_hits"] == (5 + 5 + 5 + 4 + 7) * bs
     assert s["prefix_cache_queries"] == sum(len(p) for p in _workload()) + len(_workload()[0]) + 16 + 3
-    if spec is not None and spec["method"] != "ngram":
-        assert s["num_draft_tokens"] > 0
+    if spec is not None and spec["method"] != "ngram" and not spec["adaptive"]:
+        assert s["num_draft_tokens"] > 0  # (adaptive: a random drafter may be held off: its feed deferred)
     # The repeated prompt (a hit on all its full blocks) accepts what it accepted cold.
     assert got["accepted"][3] == got["accepted"][0]
     if case.startswith("self-draft"):
