@@ -48,7 +48,8 @@ class LLM:
             for p, sp in zip(prompts, (sp or SamplingParams() for sp in params)):
                 group: list[str] = []
                 groups.append(group)
-                for choice in sp.choices() if isinstance(sp, SamplingParams) else [sp]:  # the engine refuses a non-SamplingParams
+                choices = sp.choices() if isinstance(sp, SamplingParams) else [sp]  # (the engine refuses the latter)
+                for choice in choices:
                     group.append(engine.add_request(p, choice, after=group[0] if group else None))
         except Exception:
             for rid in (r for g in groups for r in g):
