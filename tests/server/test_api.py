@@ -17,10 +17,16 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from tpspec.engine.async_engine import AsyncEngine  # noqa: E402
-from tpspec.server.api import build_app  # noqa: E402
-
-from .utils import ServerThread, assert_openai_error, metrics, open_stream, request, wait_until  # noqa: E402
+from .utils import (  # noqa: E402
+    assert_openai_error,
+    engine_stats,
+    metrics,
+    open_stream,
+    openai_client,
+    request,
+    serving,
+    wait_until,
+)
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -32,30 +38,18 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    engine = AsyncEngine.from_args(
-        model=tiny_llama, max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS, block_size=16, max_num_seqs=8
-    )
-    try:
-        with ServerThread(build_app(engine, [MODEL, "tiny-alias"])) as srv:
-            srv.engine = engine
-            yield srv
-    finally:
-        engine.shutdown()
+    with serving([MODEL, "tiny-alias"], model=tiny_llama, max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS,
+                 block_size=16, max_num_seqs=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _engine_stats(server) -> dict:
-    import asyncio
-
-    return asyncio.run(server.engine.get_stats())
+    return openai_client(server)
 
 
 def _all_blocks_free(server) -> bool:
-    s = _engine_stats(server)
+    s = engine_stats(server)
     return s["num_free_kv_blocks"] == s["num_kv_blocks"] == NUM_KV_BLOCKS and s["num_running"] == s["num_waiting"] == 0
 
 
@@ -332,7 +326,7 @@ def test_client_disconnect_while_waiting_frees_blocks(server):
     conn.request("POST", "/v1/chat/completions", body=json.dumps({
         "model": MODEL, "messages": MESSAGES, "max_tokens": 100, "ignore_eos": True}).encode(),
         headers={"Content-Type": "application/json"})
-    assert wait_until(lambda: _engine_stats(server)["num_running"] == 1, timeout=20)
+    assert wait_until(lambda: engine_stats(server)["num_running"] == 1, timeout=20)
     conn.sock.shutdown(2)
     conn.close()
     assert wait_until(lambda: _all_blocks_free(server))

@@ -9,10 +9,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tpspec.engine.async_engine import AsyncEngine  # noqa: E402
-from tpspec.server.api import build_app  # noqa: E402
-
-from .utils import ServerThread, assert_openai_error, request  # noqa: E402
+from .utils import assert_openai_error, engine_stats, openai_client, request, serving  # noqa: E402
 
 MODEL = "tiny"
 PROMPT = "def add(a, b):\n    return a + b\n\nimport os\nimport sys\n\nclass Tensor"
@@ -20,18 +17,13 @@ PROMPT = "def add(a, b):\n    return a + b\n\nimport os\nimport sys\n\nclass Ten
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    engine = AsyncEngine.from_args(model=tiny_llama, max_model_len=256, num_kv_blocks=64, block_size=8, max_num_seqs=8)
-    try:
-        with ServerThread(build_app(engine, [MODEL])) as srv:
-            srv.engine = engine
-            yield srv
-    finally:
-        engine.shutdown()
+    with serving([MODEL], model=tiny_llama, max_model_len=256, num_kv_blocks=64, block_size=8, max_num_seqs=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def _streamed(stream) -> tuple[dict[int, str], dict[int, str], object]:
@@ -49,14 +41,14 @@ def _streamed(stream) -> tuple[dict[int, str], dict[int, str], object]:
 
 
 def test_completions_with_three_choices(client, server):
-    before = server.engine.engine.get_stats()["prefix_cache_hits"]
+    before = engine_stats(server)["prefix_cache_hits"]
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=3, n=3)
     r = client.completions.create(**kw)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.text for c in r.choices}) == 3  # independent draws
     assert r.usage.completion_tokens == 30 and r.usage.total_tokens == r.usage.prompt_tokens + 30
     # The 2 later choices took the first one's full prompt blocks.
-    hits = server.engine.engine.get_stats()["prefix_cache_hits"] - before
+    hits = engine_stats(server)["prefix_cache_hits"] - before
     assert hits == 2 * ((r.usage.prompt_tokens - 1) // 8 * 8)
     texts, reasons, usage = _streamed(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert texts == {c.index: c.text for c in r.choices}

@@ -14,10 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tpspec.engine.async_engine import AsyncEngine  # noqa: E402
-from tpspec.server.api import build_app  # noqa: E402
-
-from .utils import ServerThread, assert_openai_error, request  # noqa: E402
+from .utils import assert_openai_error, openai_client, request, serving  # noqa: E402
 
 MODEL = "tiny"
 SCHEMA = {
@@ -31,17 +28,13 @@ MESSAGES = [{"role": "user", "content": "Describe something as JSON"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    engine = AsyncEngine.from_args(model=tiny_llama, max_model_len=256, num_kv_blocks=64, block_size=16, max_num_seqs=8)
-    try:
-        with ServerThread(build_app(engine, [MODEL])) as srv:
-            yield srv
-    finally:
-        engine.shutdown()
+    with serving([MODEL], model=tiny_llama, max_model_len=256, num_kv_blocks=64, block_size=16, max_num_seqs=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def test_response_format_json_schema_on_chat(client):

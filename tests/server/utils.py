@@ -1,7 +1,10 @@
-"""Helpers for the server tests: an in-process uvicorn on a free loopback port, raw HTTP, metrics."""
+"""Helpers for the server tests: an in-process uvicorn on a free loopback port (bare, or in front
+of a real engine), the ``openai`` client, raw HTTP, metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -13,6 +16,34 @@ import threading
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
+
+
+@contextlib.contextmanager
+def serving(model_names: list[str], **engine_args):
+    """A real engine (``AsyncEngine.from_args(**engine_args)``) behind the API on a ``ServerThread``,
+    which holds it as ``.engine``; the engine is shut down afterwards."""
+    from tpspec.engine.async_engine import AsyncEngine
+    from tpspec.server.api import build_app
+
+    engine = AsyncEngine.from_args(**engine_args)
+    try:
+        with ServerThread(build_app(engine, model_names)) as srv:
+            srv.engine = engine
+            yield srv
+    finally:
+        engine.shutdown()
+
+
+def openai_client(server):
+    """The official client against ``server``, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def engine_stats(server) -> dict:
+    """The served engine's ``get_stats()``, taken between its steps."""
+    return asyncio.run(server.engine.get_stats())
 
 
 class ServerThread:

@@ -53,9 +53,11 @@ def _check_n(n: int | None, allow_none: bool) -> None:
         raise ValueError(f"n must be a positive integer{' or None' if allow_none else ''}, got {n!r}")
 
 
-def _humaneval(field: str) -> list[str]:
+def _humaneval(*fields: str) -> list[tuple[str, ...]]:
+    """The given fields of every HumanEval problem, in file order (one read of the file)."""
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
-        return [json.loads(line)[field] for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [tuple(r[k] for k in fields) for r in rows]
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:
@@ -63,13 +65,13 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     _check_n(n, allow_none=True)
     if n is not None and n > HUMANEVAL_SIZE:
         raise ValueError(f"n must be at most {HUMANEVAL_SIZE} (the size of HumanEval), got {n}")
-    return _humaneval("prompt")[:n]
+    return [p for (p,) in _humaneval("prompt")[:n]]
 
 
 def shared_prefix_prompts(n: int) -> list[str]:
     """``n`` prompts: one shared system prompt, then problem i's prompt (cycling the first 100)."""
     _check_n(n, allow_none=False)
-    problems = _humaneval("prompt")
+    problems = [p for (p,) in _humaneval("prompt")]
     system, i = "# Reference solutions you may reuse.\n", SHARED_PREFIX_FIRST_PROBLEM
     while len(system) < SHARED_PREFIX_CHARS:
         system += problems[i]
@@ -80,7 +82,7 @@ def shared_prefix_prompts(n: int) -> list[str]:
 def multi_turn_prompts(n: int) -> list[str]:
     """``n`` prompts: the turns of ``ceil(n / MULTI_TURN_TURNS)`` chats, turn by turn (see the module)."""
     _check_n(n, allow_none=False)
-    problems, solutions = _humaneval("prompt"), _humaneval("canonical_solution")
+    problems, solutions = zip(*_humaneval("prompt", "canonical_solution"))
     chats = -(-n // MULTI_TURN_TURNS)
     out = []
     for t in range(MULTI_TURN_TURNS):

@@ -99,14 +99,19 @@ class DFlashSpeculator(DraftModelSpeculator):
         deferred, state.deferred = state.deferred, None
         if deferred is None:
             return 0
+        self._write_context(deferred.features, deferred.positions, deferred.slots)
+        return len(deferred.positions)
+
+    def _write_context(self, features: list[torch.Tensor], positions: list[int], slots: list[int]) -> None:
+        """Context K/V of kept tokens: ``features`` chunks [n_i, width] concatenated, one row per
+        entry of ``positions`` and ``slots`` (their KV cache slots)."""
         with self._tp_context():
             self.model.write_context(
-                torch.cat(deferred.features),
-                torch.tensor(deferred.positions, dtype=torch.int64, device=self.device),
-                torch.tensor(deferred.slots, dtype=torch.int64, device=self.device),
+                torch.cat(features),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                torch.tensor(slots, dtype=torch.int64, device=self.device),
                 self.kv_caches,
             )
-        return len(deferred.positions)
 
     @torch.inference_mode()
     def _propose(self, inp: DraftInput, states: list[DraftState]) -> int:
@@ -134,14 +139,8 @@ class DFlashSpeculator(DraftModelSpeculator):
             ctx_features += chunks
             ctx_pos += pos
             ctx_slots += slots
-        with self._tp_context():
-            if ctx_pos:
-                self.model.write_context(
-                    torch.cat(ctx_features),
-                    torch.tensor(ctx_pos, dtype=torch.int64, device=self.device),
-                    torch.tensor(ctx_slots, dtype=torch.int64, device=self.device),
-                    self.kv_caches,
-                )
+        if ctx_pos:
+            self._write_context(ctx_features, ctx_pos, ctx_slots)
         # 2. One block per proposing sequence: [bonus, MASK × (L − 1)] at positions P … P + L − 1,
         # L = k + 1 for its k = num_drafts[i], unless max_model_len cuts it (a draft there could
         # never be verified). Blocks of different lengths share one forward.
