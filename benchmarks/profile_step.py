@@ -3,7 +3,8 @@ of each module's own work (the attention module's: rotary and reshapes; the MLP'
 activation; the decoder layer's: residual adds), embedding, LM head, sampling, and the host work
 around them (scheduler, inputs, metadata, outputs), at concurrency 1 and 32.
 
-c HumanEval prompts start together, greedy, EOS ignored, TP 1, the engine's defaults; only steps
+c HumanEval prompts start together, greedy, EOS ignored, TP 1, the engine's defaults (or
+``--quantization``); only steps
 in which all c requests decode count. First ``--steps`` steps are timed as they are (the step's
 wall time); then as many with a forward pre/post hook on every module of the target and timers
 around ``compute_logits`` and ``ModelRunner._sample``, each region's time exclusive of the regions
@@ -24,6 +25,7 @@ from collections import defaultdict
 
 from tpspec.bench.datasets import humaneval_prompts
 from tpspec.bench.machine import machine_info
+from tpspec.config import QUANTIZATION_OPTIONS
 
 CATEGORIES = {  # module class -> category; any other module: its class name (its own time)
     "QKVParallelLinear": "products", "RowParallelLinear": "products", "MergedColumnParallelLinear": "products",
@@ -55,7 +57,7 @@ def measure(concurrency: int, args) -> dict:
     from tpspec.engine.llm_engine import LLMEngine
     from tpspec.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_args(max_num_seqs=max(64, concurrency))
+    engine = LLMEngine.from_args(max_num_seqs=max(64, concurrency), quantization=args.quantization)
     runner = engine.executor.runner  # TP 1: the runner lives in this process
     prompts = humaneval_prompts(concurrency)
     params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 8, ignore_eos=True)
@@ -117,6 +119,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_OPTIONS)
     p.add_argument("--result-file")
     args = p.parse_args()
     results = [measure(c, args) for c in args.concurrency]

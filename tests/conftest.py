@@ -117,6 +117,14 @@ def tiny_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_whole_groups(tmp_path_factory) -> str:
+    """A tiny Llama whose TP 2 shards split every weight into whole 32-input groups (Q4_1's and the
+    integer kernels' activation groups): hidden 128, 8 heads of 16, MLP 256."""
+    return _write_tiny(str(tmp_path_factory.mktemp("tiny-llama-whole-groups")), "llama", hidden_size=128,
+                       intermediate_size=256, num_attention_heads=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory) -> str:
     return _write_tiny(str(tmp_path_factory.mktemp("tiny-llama-tied")), "llama", tie_word_embeddings=True)
 

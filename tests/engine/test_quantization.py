@@ -3,10 +3,13 @@ weights stored in float16 and multiplied in float32 (fbgemm). It is the float32 
 rounded to float16 (logprobs within float32 rounding of that engine's, apart from the unrounded
 one's), and keeps the invariants: TP 2 gives TP 1's greedy and seeded tokens, speculative decoding
 with the flag on gives plain decoding's. ``quantization="q4_1"``: weights that are exactly Q4_1
-kept 4-bit; the float32 engine on the same weights, with the same invariants."""
+kept 4-bit; the float32 engine on the same weights, with the same invariants. ``"w4a16"`` and
+``"w4a8"``: those weights and the exactly-Q8_0 LM head times activations rounded to 15 or 8 bits
+(integer kernels): the float32 engine's tokens, logprobs within the rounding, the same invariants."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -18,6 +21,7 @@ from tpspec import LLM, SamplingParams
 from tpspec.layers.cpu_weights import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
 from tpspec.layers import cpu_kernels
+from tests.conftest import write_tiny_dflash
 
 pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
 needs_q4_1_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason="no Q4_1 kernel here")
@@ -83,22 +87,27 @@ def test_fp16_weights_keep_tp_and_speculative_invariants(tiny_llama, tiny_dflash
     _assert_tp_and_speculative_invariants(tiny_llama, "fp16", tiny_dflash)
 
 
+def _exactly_q4_1(v: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A random weight of ``v``'s shape that is exactly Q4_1 (per 32 inputs, w = d·q + m) with d a
+    power of two and m a multiple of d, so that it is exactly float16 too."""
+    groups = v.shape[1] // 32
+    d = 2.0 ** -torch.randint(5, 8, (v.shape[0], groups, 1), generator=g)
+    m = -torch.randint(0, 12, (v.shape[0], groups, 1), generator=g) * d
+    q = torch.randint(0, 16, (v.shape[0], groups, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # as llama.cpp quantizes: the minimum is m, the maximum d·15 + m
+    return (d * q + m).flatten(1).float()
+
+
 @pytest.fixture(scope="module")
 def q4_1_llama(tiny_llama, tmp_path_factory) -> str:
-    """tiny_llama with its layers' weights made exactly Q4_1 (per 32 inputs, w = d·q + m) with d a
-    power of two and m a multiple of d, so that they are exactly float16 too: the Q4_1 kernel, fbgemm's
-    float16 GEMM (more rows, and the shards of 48 columns at TP 2) and float32 read the same weights;
-    the LM head rounded to float16."""
+    """tiny_llama with its layers' weights made exactly Q4_1 and float16 (``_exactly_q4_1``): the Q4_1
+    kernel, fbgemm's float16 GEMM (more rows, and the shards of 48 columns at TP 2) and float32 read
+    the same weights; the LM head rounded to float16."""
     weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     for k, v in weights.items():
         if k.endswith("proj.weight"):
-            groups = v.shape[1] // 32
-            d = 2.0 ** -torch.randint(5, 8, (v.shape[0], groups, 1), generator=g)
-            m = -torch.randint(0, 12, (v.shape[0], groups, 1), generator=g) * d
-            q = torch.randint(0, 16, (v.shape[0], groups, 32), generator=g)
-            q[..., 0], q[..., 1] = 0, 15  # as llama.cpp quantizes: the minimum is m, the maximum d·15 + m
-            weights[k] = (d * q + m).flatten(1).float()
+            weights[k] = _exactly_q4_1(v, g)
         elif k == "lm_head.weight":  # not Q4_1: in float16 either way
             weights[k] = v.half().float()
     return _copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-q4_1")), weights)
@@ -117,8 +126,51 @@ def test_q4_1_weights_keep_tp_and_speculative_invariants(q4_1_llama, tiny_dflash
     _assert_tp_and_speculative_invariants(q4_1_llama, "q4_1", tiny_dflash)
 
 
+@pytest.fixture(scope="module")
+def gguf_llama(tiny_llama_whole_groups, tmp_path_factory) -> str:
+    """tiny_llama_whole_groups as the default model's GGUF holds its weights: the layers exactly Q4_1
+    (``_exactly_q4_1``), the LM head exactly Q8_0 (d a power of two, some |q| = 127 in each group)."""
+    weights = load_file(os.path.join(tiny_llama_whole_groups, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    for k, v in weights.items():
+        if k.endswith("proj.weight"):
+            weights[k] = _exactly_q4_1(v, g)
+        elif k == "lm_head.weight":
+            groups = v.shape[1] // 32
+            d = 2.0 ** -torch.randint(6, 8, (v.shape[0], groups, 1), generator=g)
+            q = torch.randint(-127, 128, (v.shape[0], groups, 32), generator=g)
+            q[..., 0] = 127
+            weights[k] = (d * q).flatten(1).float()
+    return _copy_with_weights(tiny_llama_whole_groups, str(tmp_path_factory.mktemp("tiny-llama-gguf")), weights)
+
+
+@pytest.fixture(scope="module")
+def gguf_dflash(gguf_llama, tmp_path_factory) -> str:
+    return write_tiny_dflash(str(tmp_path_factory.mktemp("tiny-dflash-gguf")), gguf_llama)
+
+
+@needs_q4_1_kernel
+def test_w4a16_is_the_float32_engine_up_to_the_activations_rounding(gguf_llama, caplog):
+    """(w4a8's 8-bit activations change this tiny random model's first greedy token: its kernel is
+    checked against a reference in tests/layers/test_int8_dot.py, its invariants below.)"""
+    with caplog.at_level(logging.INFO, logger="tpspec.layers.cpu_weights"):
+        quantized = _run(gguf_llama, quantization="w4a16")
+    # every linear weight through the integer kernels: 3 layers' 4 products, and the LM head
+    assert "LlamaForCausalLM: linear weights by format: 12 q4_1_int8, 1 q8_0_int8" in caplog.text
+    none = _run(gguf_llama, quantization="none")
+    assert quantized["greedy"] == none["greedy"] and quantized["seeded"] == none["seeded"]
+    gap = (quantized["logprobs"] - none["logprobs"]).abs().max().item()
+    assert 0 < gap < 0.02  # rounded activations: close to float32's (0.004 here), not equal
+
+
+@needs_q4_1_kernel
+@pytest.mark.parametrize("method", ["w4a16", "w4a8"])
+def test_integer_kernels_keep_tp_and_speculative_invariants(gguf_llama, gguf_dflash, method):
+    _assert_tp_and_speculative_invariants(gguf_llama, method, gguf_dflash)
+
+
 def test_bad_quantization_options_are_refused(tiny_llama):
-    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16', 'q4_1'\), got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16', 'q4_1', 'w4a8', 'w4a16'\), got 'int3'"):
         LLM(tiny_llama, quantization="int3", **ENGINE)
     with pytest.raises(ValueError, match="quantization='fp16' stores a float32 model's weights in float16"):
         LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)

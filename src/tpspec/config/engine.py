@@ -18,9 +18,13 @@ SAMPLING_MODES = ("gathered", "vocab-parallel")
 # Weight formats of ``--quantization`` (None: the weights in ``dtype``). "fp16": a float32 model's
 # linear weights stored in float16 and multiplied in float32 by fbgemm (CPU; layers.cpu_weights). "q4_1":
 # those weights that are exactly llama.cpp's Q4_1 (the default model's layers) kept 4-bit and
-# multiplied in float32 by tpspec's kernel (CPU with AVX2; layers.q4_1), the others as "fp16";
-# a shipped drafter's own weights are rounded to Q4_1 first (its drafts are verified: lossless either way).
-QUANTIZATION_METHODS = ("fp16", "q4_1")
+# multiplied in float32 by tpspec's kernel (CPU with AVX2; layers.q4_1), the others as "fp16". "w4a8"
+# and "w4a16": those weights (and the exactly-Q8_0 ones: the default model's LM head) multiplied by
+# activations rounded to 8 or 15 bits, in integer multiply-adds (layers.int8_dot), the others as
+# "fp16". Under these three a shipped drafter's own weights are rounded to Q4_1 first (its drafts
+# are verified: lossless either way).
+QUANTIZATION_METHODS = ("fp16", "q4_1", "w4a8", "w4a16")
+GGUF_KERNEL_METHODS = ("q4_1", "w4a8", "w4a16")  # those that run exactly-Q4_1 weights through tpspec's kernels
 QUANTIZATION_OPTIONS = ("auto", "none", *QUANTIZATION_METHODS)  # "auto": resolve_quantization picks
 
 
@@ -71,9 +75,9 @@ class EngineConfig:
         if self.quantization == "fp16" and self.dtype != "float32":
             raise ValueError(f"quantization='fp16' stores a float32 model's weights in float16 (activations stay "
                              f"float32), got dtype={self.dtype!r}; use dtype='float32', or dtype='float16' alone")
-        if self.quantization == "q4_1" and self.dtype != "float32":
-            raise ValueError(f"quantization='q4_1' multiplies float32 activations by a float32 model's Q4_1 weights, "
-                             f"got dtype={self.dtype!r}; use dtype='float32'")
+        if self.quantization in GGUF_KERNEL_METHODS and self.dtype != "float32":
+            raise ValueError(f"quantization={self.quantization!r} multiplies float32 activations by a float32 model's "
+                             f"Q4_1 weights, got dtype={self.dtype!r}; use dtype='float32'")
         if self.sampling_mode == "vocab-parallel" and self.arch.vocab_size >= 2**24:
             raise ValueError(
                 f"sampling_mode='vocab-parallel' needs vocab_size < 2**24 (token ids are exchanged as "

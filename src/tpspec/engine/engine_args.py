@@ -17,6 +17,8 @@ from typing import Any
 from tpspec.config import (
     BACKENDS,
     DEFAULT_MASTER_PORT,
+    GGUF_KERNEL_METHODS,
+    QUANTIZATION_METHODS,
     QUANTIZATION_OPTIONS,
     SAMPLING_MODES,
     SUPPORTED_DTYPES,
@@ -104,7 +106,9 @@ class EngineArgs:
         "auto", "fp16 = the linear layers' weights stored in float16, multiplied in float32 (CPU, fbgemm; with --dtype "
         "float32): half the weight bytes, faster decoding; q4_1 = weights that are exactly Q4_1 (the default "
         "model's layers) kept 4-bit, the rest as fp16 (CPU with AVX2; compiles a kernel on first use): fastest for "
-        "one or a few sequences; auto = q4_1 for float32 on CPU where the kernel builds, else fp16; none = off",
+        "one or a few sequences; w4a16 / w4a8 = those weights and exactly-Q8_0 ones times activations rounded to 15 / "
+        "8 bits in integer multiply-adds, every row count (w4a8: llama.cpp's numerics, less accurate); auto = q4_1 "
+        "for float32 on CPU where the kernel builds, else fp16; none = off",
         str, QUANTIZATION_OPTIONS)
 
     # ---- the command line ---------------------------------------------------------------------
@@ -156,18 +160,18 @@ class EngineArgs:
                              "use 'gloo' or 'auto' on CPU")
         dtype = resolve_dtype(self.dtype, device_kind)
         quantization = resolve_quantization(self.quantization, dtype, device_kind)
-        if quantization in ("fp16", "q4_1") and device_kind != "cpu":
+        if quantization in QUANTIZATION_METHODS and device_kind != "cpu":
             raise ValueError(f"quantization={quantization!r} is a CPU weight format, got device {device_kind!r}; "
                              "on CUDA use --dtype float16")
-        if quantization in ("fp16", "q4_1") and not has_fbgemm():
+        if quantization in QUANTIZATION_METHODS and not has_fbgemm():
             raise ValueError(f"quantization={quantization!r} needs fbgemm, which this torch build lacks (x86 builds "
                              "have it)")
-        if quantization == "q4_1":
+        if quantization in GGUF_KERNEL_METHODS:
             from tpspec.layers import cpu_kernels
 
             reason = cpu_kernels.unavailable()
             if reason:
-                raise ValueError(f"quantization='q4_1' needs tpspec's Q4_1 kernel, unavailable here: {reason}")
+                raise ValueError(f"quantization={quantization!r} needs tpspec's CPU kernels, unavailable here: {reason}")
         warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None
         if warning:
             logger.warning("%s", warning)

@@ -1,11 +1,13 @@
 """CPU weight formats and the product that dispatches on them: float32 weights reordered for
 oneDNN, float16 weights through fbgemm, weights that are exactly Q4_1 or Q8_0 through tpspec's
-kernels (``layers.q4_1``, ``layers.q8_0``); packed once at load (``pack_cpu_weights``), looked up
+kernels (``layers.q4_1``, ``layers.q8_0``, and with activations rounded to 8 bits
+``layers.int8_dot``); packed once at load (``pack_cpu_weights``), looked up
 by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -14,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpspec.config.engine import QUANTIZATION_OPTIONS
+from tpspec.config.engine import QUANTIZATION_METHODS, QUANTIZATION_OPTIONS
 from tpspec.cpu_features import has_fbgemm
-from tpspec.layers import q4_1, q8_0
+from tpspec.layers import int8_dot, q4_1, q8_0
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,14 @@ CPU_FLOAT16_MAX_ROWS = 4
 # 0.56 or 1.06 bytes a weight against 2 but decode each row block anew); past them through that
 # float16 GEMM (benchmarks/README.md, Q4_1 weights).
 QUANTIZED_MAX_ROWS = 8
+# What each --quantization packs an exactly-Q4_1 weight, an exactly-Q8_0 one and any other in (the
+# integer kernels of "w4a8" take every row count: no float16 copy).
+EXACT_FORMATS = {
+    "q4_1": (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact)),
+    **{method: (("q4_1_int8", functools.partial(int8_dot.quantize_exact_q4_1, activation_bits=bits)),
+                ("q8_0_int8", functools.partial(int8_dot.quantize_exact_q8_0, activation_bits=bits)))
+       for method, bits in (("w4a8", 8), ("w4a16", 15))},
+}
 
 
 def _row_bucket(rows: int) -> int:
@@ -70,9 +80,11 @@ def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -
 class PackedWeight:
     # "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16 model's own, or a
     # float32 model's with quantization="fp16"), "q4_1" or "q8_0" (a float32 weight that is exactly
-    # Q4_1 or Q8_0, with quantization="q4_1")
+    # Q4_1 or Q8_0, with quantization="q4_1"), "q4_1_int8" or "q8_0_int8" (likewise, with "w4a8" or "w4a16")
     format: str
-    data: object  # the library's packed weight; for "q4_1" and "q8_0", (Q4_1Weight or Q8_0Weight, fbgemm's float16 one)
+    # the library's packed weight; for "q4_1" and "q8_0", (Q4_1Weight or Q8_0Weight, fbgemm's float16
+    # one); for "q4_1_int8" and "q8_0_int8", int8_dot's Q4_1Int8Weight or Q8_0Int8Weight
+    data: object
 
 
 # Read once: torch.compile cannot trace the library checks (a graph break in every layer).
@@ -87,15 +99,14 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
-    """``w`` packed in ``fmt``; "q4_1" gives "q8_0" where ``w`` is exactly Q8_0 instead, "fp16"
-    where it is neither."""
-    if fmt == "q4_1":
-        fp16 = _pack(w, "fp16")
-        for name, quantize_exact in (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact)):
+    """``w`` packed in ``fmt``; "q4_1" and "w4a8" give their Q4_1 or Q8_0 format where ``w`` is exactly
+    such (``EXACT_FORMATS``), "fp16" where it is neither."""
+    if fmt in EXACT_FORMATS:
+        for name, quantize_exact in EXACT_FORMATS[fmt]:
             exact = quantize_exact(w.detach())
-            if exact is not None:
-                return PackedWeight(name, (exact, fp16.data))
-        return fp16
+            if exact is not None:  # "q4_1" keeps a float16 copy for products of more rows
+                return PackedWeight(name, (exact, _pack(w, "fp16").data) if fmt == "q4_1" else exact)
+        return _pack(w, "fp16")
     if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
         return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None))
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
@@ -123,13 +134,18 @@ def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | 
         ref, version, packed = entry
         t = ref()
         if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype:
-            if t._version == version and (fmt in (None, packed.format) or fmt == "q4_1" and packed.format in ("q8_0", "fp16")):
+            if t._version == version and (fmt in (None, packed.format) or packed.format in _formats_of(fmt)):
                 return packed
             fmt = fmt or packed.format
     packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
     key = w.data_ptr()
     _PACKED[key] = (weakref.ref(w, lambda ref, key=key: _forget(key, ref)), w._version, packed)
     return packed
+
+
+def _formats_of(fmt: str | None) -> tuple[str, ...]:
+    """The formats packing in ``fmt`` can give."""
+    return (*(name for name, _ in EXACT_FORMATS[fmt]), "fp16") if fmt in EXACT_FORMATS else ()
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -172,13 +188,13 @@ class PackedCPUWeight:
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
-    exactly Q4_1 or Q8_0 in their kernels' (and in float16 for more rows), the rest in float16; logs how
-    many weights each format got."""
+    exactly Q4_1 or Q8_0 in their kernels' (and in float16 for more rows), with "w4a8" or "w4a16" in the
+    integer kernels', the rest in float16; logs how many weights each format got."""
     formats = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):
             w = module.weight
-            quantized = quantization in ("fp16", "q4_1") and w.dtype == torch.float32 and _packable(w) and _HAS_FBGEMM
+            quantized = quantization in QUANTIZATION_METHODS and w.dtype == torch.float32 and _packable(w) and _HAS_FBGEMM
             packed = packed_weight_of(w, quantization if quantized else None)
             formats[packed.format if packed is not None else str(w.dtype).removeprefix("torch.")] += 1
     if formats:
@@ -195,6 +211,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     float16.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
     if packed is not None:
+        if packed.format in ("q4_1_int8", "q8_0_int8"):
+            out = int8_dot.int8_linear(x, packed.data)
+            return out if bias is None else out + bias
         if packed.format in ("q4_1", "q8_0"):
             quantized, fp16 = packed.data
             if x.shape[0] > QUANTIZED_MAX_ROWS:

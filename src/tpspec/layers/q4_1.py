@@ -46,9 +46,10 @@ def round_to_q4_1(w: torch.Tensor) -> torch.Tensor:
     return (d.float()[..., None] * q + m.float()[..., None]).flatten(1)
 
 
-def quantize_exact(w: torch.Tensor) -> Q4_1Weight | None:
+def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as Q4_1 groups if every group is exactly d·q + m with float16 d and m
-    and q in 0..15 (``round_to_q4_1`` leaves it unchanged), else None."""
+    and q in 0..15 (``round_to_q4_1`` leaves it unchanged): d, m [out, groups] float16 and
+    q [out, groups, 32] uint8; else None."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
         return None
     d, m, q = _rounded_groups(w)
@@ -56,7 +57,16 @@ def quantize_exact(w: torch.Tensor) -> Q4_1Weight | None:
         return None
     if not torch.equal((d.float()[..., None] * q + m.float()[..., None]).flatten(1), w.detach()):
         return None
-    return Q4_1Weight(_pack_nibbles(q.to(torch.uint8)), d.contiguous(), m.contiguous())
+    return d.contiguous(), m.contiguous(), q.to(torch.uint8)
+
+
+def quantize_exact(w: torch.Tensor) -> Q4_1Weight | None:
+    """``w`` ([out, in] float32) in the kernel's layout if it is exactly Q4_1 (``exact_groups``), else None."""
+    groups = exact_groups(w)
+    if groups is None:
+        return None
+    d, m, q = groups
+    return Q4_1Weight(_pack_nibbles(q), d, m)
 
 
 def dequantize(weight: Q4_1Weight) -> torch.Tensor:

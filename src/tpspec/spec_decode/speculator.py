@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpspec.config import EngineConfig, ModelArchConfig, SpeculativeConfig
+from tpspec.config import GGUF_KERNEL_METHODS, EngineConfig, ModelArchConfig, SpeculativeConfig
 from tpspec.distributed import comm
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.layers.cpu_weights import pack_cpu_weights
@@ -258,12 +258,12 @@ class DraftModelSpeculator(Speculator):
 
     # ---- loading --------------------------------------------------------------------------
     def load(self, target_model: torch.nn.Module, num_kv_slots: int) -> None:
-        """Build the draft model; under ``--quantization q4_1`` a shipped drafter's own weights
+        """Build the draft model; under ``--quantization q4_1`` or ``w4a8`` a shipped drafter's own weights
         are rounded to Q4_1 where its method says so, then its weights are packed for the CPU."""
         self.num_kv_slots = num_kv_slots
         self.model = self._build_model(target_model)
         quantization = self.engine_config.quantization
-        if (quantization == "q4_1" and self.spec_config.method_spec.rounds_shipped_drafter_to_q4_1
+        if (quantization in GGUF_KERNEL_METHODS and self.spec_config.method_spec.rounds_shipped_drafter_to_q4_1
                 and is_shipped_drafter(self.spec_config.model)):
             round_drafter_to_q4_1(self.model, target_model)
         pack_cpu_weights(self.model, quantization)

@@ -6,6 +6,10 @@
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           bool wide);
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, bool wide);
+torch::Tensor q4_1_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                               int64_t out_features, int64_t bits, int64_t isa);
+torch::Tensor q8_0_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor qsums,
+                               int64_t out_features, int64_t bits, int64_t isa);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
@@ -14,6 +18,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "Q4_1 weights times float32 activations (q4_1_linear.cpp)");
   m.def("q8_0_linear", &q8_0_linear, "Q8_0 weights times float32 activations (q8_0_linear.cpp)");
+  m.def("q4_1_int8_linear", &q4_1_int8_linear,
+        "Q4_1 weights times activations rounded to 8 or 15 bits, integer multiply-adds (int8_dot_linear.cpp)");
+  m.def("q8_0_int8_linear", &q8_0_int8_linear,
+        "Q8_0 weights times activations rounded to 8 or 15 bits, integer multiply-adds (int8_dot_linear.cpp)");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual) RMS-normalized, and x + residual (decode_ops.cpp)");
   m.def("paged_attention", &paged_attention, "queries over their key ranges of the paged KV cache (decode_ops.cpp)");
 }
