@@ -10,7 +10,9 @@ tpspec's float32 path up to 64 rows), ``float16`` (``F.linear`` on float16), ``i
 ``_weight_int4pack_mm_for_cpu``: 4-bit weights, a scale and a zero per 32 inputs, GGUF Q4_1's
 blocks), ``int8-dynamic`` (fbgemm's ``quantized.linear_dynamic``: the activations quantized to
 8 bits too, per call), ``float16-fbgemm`` (fbgemm's float16 GEMM, ``--quantization fp16``),
-``q4_1`` (tpspec's Q4_1 kernel, ``--quantization q4_1``; the weights rounded to Q4_1 first).
+``q4_1`` (tpspec's Q4_1 kernel, ``--quantization q4_1``; the weights rounded to Q4_1 first),
+``w4a16`` and ``w4a8`` (tpspec's integer kernels on the same Q4_1 weights, activations rounded to
+15 and 8 bits; ``ATEN_CPU_CAPABILITY=avx2`` takes their AVX2 path on an AVX-512 VNNI CPU).
 
   python3 benchmarks/bench_quantized_linear.py --result-file benchmarks/results/quantized_linear.json
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 python3 benchmarks/bench_quantized_linear.py
@@ -88,6 +90,16 @@ def _q4_1(w: torch.Tensor) -> Kernel:
     return lambda x: q4_1_linear(x, weight)
 
 
+def _integer(bits: int):
+    def build(w: torch.Tensor) -> Kernel:
+        from tpspec.layers.int8_dot import int8_linear, quantize_exact_q4_1
+        from tpspec.layers.q4_1 import round_to_q4_1
+
+        weight = quantize_exact_q4_1(round_to_q4_1(w), bits)
+        return lambda x: int8_linear(x, weight)
+    return build
+
+
 KERNELS = {
     "float32": _float32,
     "float32-onednn": _float32_onednn,
@@ -97,6 +109,8 @@ KERNELS = {
     "int8-dynamic": _int8_dynamic,
     "float16-fbgemm": _float16_fbgemm,
     "q4_1": _q4_1,
+    "w4a16": _integer(15),
+    "w4a8": _integer(8),
 }
 
 

@@ -124,6 +124,55 @@ def tiny_llama_whole_groups(tmp_path_factory) -> str:
                        intermediate_size=256, num_attention_heads=8)
 
 
+def exactly_q4_1(v, g):
+    """A random weight of ``v``'s shape that is exactly Q4_1 (per 32 inputs, w = d·q + m, as llama.cpp
+    rounds: the minimum is m, the maximum d·15 + m) with d a power of two and m a multiple of d, so
+    that it is exactly float16 too."""
+    import torch
+
+    groups = v.shape[1] // 32
+    d = 2.0 ** -torch.randint(5, 8, (v.shape[0], groups, 1), generator=g)
+    m = -torch.randint(0, 12, (v.shape[0], groups, 1), generator=g) * d
+    q = torch.randint(0, 16, (v.shape[0], groups, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).flatten(1).float()
+
+
+def copy_with_weights(source: str, folder: str, weights: dict) -> str:
+    """``source``'s model folder copied to ``folder`` with ``weights`` as its checkpoint."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    for name in os.listdir(source):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(source, name), folder)
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_llama(tiny_llama_whole_groups, tmp_path_factory) -> str:
+    """tiny_llama_whole_groups as a Q4_1 GGUF holds its weights (the default model's): the layers
+    exactly Q4_1 (``exactly_q4_1``), the LM head exactly Q8_0 (d a power of two, some |q| = 127 in each
+    group): every linear weight runs through the integer kernels under w4a16 and w4a8."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(tiny_llama_whole_groups, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    for k, v in weights.items():
+        if k.endswith("proj.weight"):
+            weights[k] = exactly_q4_1(v, g)
+        elif k == "lm_head.weight":
+            groups = v.shape[1] // 32
+            d = 2.0 ** -torch.randint(6, 8, (v.shape[0], groups, 1), generator=g)
+            q = torch.randint(-127, 128, (v.shape[0], groups, 32), generator=g)
+            q[..., 0] = 127
+            weights[k] = (d * q).flatten(1).float()
+    return copy_with_weights(tiny_llama_whole_groups, str(tmp_path_factory.mktemp("tiny-gguf-llama")), weights)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory) -> str:
     return _write_tiny(str(tmp_path_factory.mktemp("tiny-llama-tied")), "llama", tie_word_embeddings=True)

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tpspec import LLM, SamplingParams
 from tpspec.layers.cpu_weights import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
 from tpspec.layers import cpu_kernels
-from tests.conftest import write_tiny_dflash
+from tests.conftest import copy_with_weights, exactly_q4_1, write_tiny_dflash
 
 pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
 needs_q4_1_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason="no Q4_1 kernel here")
@@ -53,22 +52,13 @@ def _assert_tp_and_speculative_invariants(folder: str, quantization: str, dflash
     assert spec2["seeded"] == spec1["seeded"]
 
 
-def _copy_with_weights(source: str, folder: str, weights: dict[str, torch.Tensor]) -> str:
-    """``source``'s model folder copied to ``folder`` with ``weights`` as its checkpoint."""
-    for name in os.listdir(source):
-        if name != "model.safetensors":
-            shutil.copy(os.path.join(source, name), folder)
-    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def rounded_llama(tiny_llama, tmp_path_factory) -> str:
     """tiny_llama with its linear weights rounded to float16 (and stored as float32 again)."""
     weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
     rounded = {k: v.half().float() if k.endswith("proj.weight") or k == "lm_head.weight" else v for k, v in weights.items()}
     assert any(not torch.equal(rounded[k], weights[k]) for k in weights)
-    return _copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-fp16-rounded")), rounded)
+    return copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-fp16-rounded")), rounded)
 
 
 def test_fp16_weights_are_the_float32_engine_on_rounded_weights(tiny_llama, rounded_llama):
@@ -87,30 +77,19 @@ def test_fp16_weights_keep_tp_and_speculative_invariants(tiny_llama, tiny_dflash
     _assert_tp_and_speculative_invariants(tiny_llama, "fp16", tiny_dflash)
 
 
-def _exactly_q4_1(v: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """A random weight of ``v``'s shape that is exactly Q4_1 (per 32 inputs, w = d·q + m) with d a
-    power of two and m a multiple of d, so that it is exactly float16 too."""
-    groups = v.shape[1] // 32
-    d = 2.0 ** -torch.randint(5, 8, (v.shape[0], groups, 1), generator=g)
-    m = -torch.randint(0, 12, (v.shape[0], groups, 1), generator=g) * d
-    q = torch.randint(0, 16, (v.shape[0], groups, 32), generator=g)
-    q[..., 0], q[..., 1] = 0, 15  # as llama.cpp quantizes: the minimum is m, the maximum d·15 + m
-    return (d * q + m).flatten(1).float()
-
-
 @pytest.fixture(scope="module")
 def q4_1_llama(tiny_llama, tmp_path_factory) -> str:
-    """tiny_llama with its layers' weights made exactly Q4_1 and float16 (``_exactly_q4_1``): the Q4_1
+    """tiny_llama with its layers' weights made exactly Q4_1 and float16 (``exactly_q4_1``): the Q4_1
     kernel, fbgemm's float16 GEMM (more rows, and the shards of 48 columns at TP 2) and float32 read
     the same weights; the LM head rounded to float16."""
     weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     for k, v in weights.items():
         if k.endswith("proj.weight"):
-            weights[k] = _exactly_q4_1(v, g)
+            weights[k] = exactly_q4_1(v, g)
         elif k == "lm_head.weight":  # not Q4_1: in float16 either way
             weights[k] = v.half().float()
-    return _copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-q4_1")), weights)
+    return copy_with_weights(tiny_llama, str(tmp_path_factory.mktemp("tiny-llama-q4_1")), weights)
 
 
 @needs_q4_1_kernel
@@ -127,37 +106,19 @@ def test_q4_1_weights_keep_tp_and_speculative_invariants(q4_1_llama, tiny_dflash
 
 
 @pytest.fixture(scope="module")
-def gguf_llama(tiny_llama_whole_groups, tmp_path_factory) -> str:
-    """tiny_llama_whole_groups as the default model's GGUF holds its weights: the layers exactly Q4_1
-    (``_exactly_q4_1``), the LM head exactly Q8_0 (d a power of two, some |q| = 127 in each group)."""
-    weights = load_file(os.path.join(tiny_llama_whole_groups, "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    for k, v in weights.items():
-        if k.endswith("proj.weight"):
-            weights[k] = _exactly_q4_1(v, g)
-        elif k == "lm_head.weight":
-            groups = v.shape[1] // 32
-            d = 2.0 ** -torch.randint(6, 8, (v.shape[0], groups, 1), generator=g)
-            q = torch.randint(-127, 128, (v.shape[0], groups, 32), generator=g)
-            q[..., 0] = 127
-            weights[k] = (d * q).flatten(1).float()
-    return _copy_with_weights(tiny_llama_whole_groups, str(tmp_path_factory.mktemp("tiny-llama-gguf")), weights)
-
-
-@pytest.fixture(scope="module")
-def gguf_dflash(gguf_llama, tmp_path_factory) -> str:
-    return write_tiny_dflash(str(tmp_path_factory.mktemp("tiny-dflash-gguf")), gguf_llama)
+def gguf_dflash(tiny_gguf_llama, tmp_path_factory) -> str:
+    return write_tiny_dflash(str(tmp_path_factory.mktemp("tiny-dflash-gguf")), tiny_gguf_llama)
 
 
 @needs_q4_1_kernel
-def test_w4a16_is_the_float32_engine_up_to_the_activations_rounding(gguf_llama, caplog):
+def test_w4a16_is_the_float32_engine_up_to_the_activations_rounding(tiny_gguf_llama, caplog):
     """(w4a8's 8-bit activations change this tiny random model's first greedy token: its kernel is
     checked against a reference in tests/layers/test_int8_dot.py, its invariants below.)"""
     with caplog.at_level(logging.INFO, logger="tpspec.layers.cpu_weights"):
-        quantized = _run(gguf_llama, quantization="w4a16")
+        quantized = _run(tiny_gguf_llama, quantization="w4a16")
     # every linear weight through the integer kernels: 3 layers' 4 products, and the LM head
     assert "LlamaForCausalLM: linear weights by format: 12 q4_1_int8, 1 q8_0_int8" in caplog.text
-    none = _run(gguf_llama, quantization="none")
+    none = _run(tiny_gguf_llama, quantization="none")
     assert quantized["greedy"] == none["greedy"] and quantized["seeded"] == none["seeded"]
     gap = (quantized["logprobs"] - none["logprobs"]).abs().max().item()
     assert 0 < gap < 0.02  # rounded activations: close to float32's (0.004 here), not equal
@@ -165,8 +126,8 @@ def test_w4a16_is_the_float32_engine_up_to_the_activations_rounding(gguf_llama, 
 
 @needs_q4_1_kernel
 @pytest.mark.parametrize("method", ["w4a16", "w4a8"])
-def test_integer_kernels_keep_tp_and_speculative_invariants(gguf_llama, gguf_dflash, method):
-    _assert_tp_and_speculative_invariants(gguf_llama, method, gguf_dflash)
+def test_integer_kernels_keep_tp_and_speculative_invariants(tiny_gguf_llama, gguf_dflash, method):
+    _assert_tp_and_speculative_invariants(tiny_gguf_llama, method, gguf_dflash)
 
 
 def test_bad_quantization_options_are_refused(tiny_llama):
@@ -176,10 +137,14 @@ def test_bad_quantization_options_are_refused(tiny_llama):
         LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)
     with pytest.raises(ValueError, match="quantization='q4_1' multiplies float32 activations"):
         LLM(tiny_llama, quantization="q4_1", dtype="float16", **ENGINE)
+    with pytest.raises(ValueError, match=r"batch_invariant needs an integer-kernel quantization \('w4a16', 'w4a8'\)"):
+        LLM(tiny_llama, quantization="q4_1", batch_invariant=True, **ENGINE)
+    with pytest.raises(ValueError, match="batch_invariant and torch_compile exclude each other"):
+        LLM(tiny_llama, batch_invariant=True, torch_compile=True, **ENGINE)
 
 
-def test_auto_is_q4_1_where_the_kernels_build_else_fp16_only_for_float32_on_cpu(monkeypatch):
-    assert resolve_quantization("auto", "float32", "cpu") == ("fp16" if cpu_kernels.unavailable() else "q4_1")
+def test_auto_is_w4a16_where_the_kernels_build_else_fp16_only_for_float32_on_cpu(monkeypatch):
+    assert resolve_quantization("auto", "float32", "cpu") == ("fp16" if cpu_kernels.unavailable() else "w4a16")
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "the CPU lacks avx2")
     assert resolve_quantization("auto", "float32", "cpu") == "fp16"
     assert resolve_quantization("auto", "bfloat16", "cpu") is None

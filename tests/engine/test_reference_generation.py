@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct) with the default settings (float32 on CPU, its linear
-weights kept Q4_1 where tpspec's CPU kernels build, in float16 otherwise: ``--quantization auto``)
-generates the same greedy tokens as transformers in float32, loading the same GGUF file through its
-own, independent GGUF reader."""
+weights kept Q4_1 and Q8_0 and multiplied by activations rounded to 15 bits where tpspec's CPU
+kernels build, in float16 otherwise: ``--quantization auto``) generates the same greedy tokens as
+transformers in float32, loading the same GGUF file through its own, independent GGUF reader."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def ours():
     with LLM(num_kv_blocks=64, max_model_len=512) as llm:
         assert llm.llm_engine.config.dtype == "float32"
         assert llm.llm_engine.config.quantization == (
-            None if not has_fbgemm() else "fp16" if cpu_kernels.unavailable() else "q4_1")
+            None if not has_fbgemm() else "fp16" if cpu_kernels.unavailable() else "w4a16")
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         outputs += llm.chat(CHAT, params, use_tqdm=False)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tpspec.layers import cpu_kernels
-from tpspec.layers.attention import KERNEL_MAX_QUERY_LEN, Attention, AttentionMetadata
+from tpspec.layers.attention import Attention, AttentionMetadata
 from tpspec.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
@@ -123,7 +123,7 @@ def test_paged_attention_refuses_indices_outside_its_inputs(slots, token_seq, ke
                                               torch.tensor(token_seq), torch.tensor(key_range), torch.tensor([0]), 1.0)
 
 
-def test_attention_layer_takes_the_kernel_for_float32_steps_of_short_queries_only(monkeypatch):
+def test_attention_layer_takes_the_kernel_for_every_float32_step(monkeypatch):
     module, calls = cpu_kernels.kernels(), []
 
     class Counting:
@@ -134,15 +134,13 @@ def test_attention_layer_takes_the_kernel_for_float32_steps_of_short_queries_onl
     monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
     attn = Attention(4, 2, 16, torch.tensor([0, 0, 1, 1]))
     cache = (torch.randn(128, 2, 16), torch.randn(128, 2, 16))
-    longest = KERNEL_MAX_QUERY_LEN
-    for query_lens, kernel_calls in (([1, 1], 1), ([4, 1], 1), ([longest, 1], 1), ([longest + 1, 1], 0)):
+    for query_lens in ([1, 1], [4, 1], [16, 1], [17, 1], [21, 9]):  # decodes, verification, prefill chunks
         calls.clear()
-        md = AttentionMetadata.build(query_lens, [longest + 5, 9], [list(range(6)), [8, 7, 6]], 4, torch.device("cpu"))
+        md = AttentionMetadata.build(query_lens, [21, 9], [list(range(6)), [8, 7, 6]], 4, torch.device("cpu"))
         n = sum(query_lens)
         attn(torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16), cache, md)
-        assert len(calls) == kernel_calls
-        if calls:
-            assert calls[0][3] is md.context_slots  # the cache read in place, at every key's slot
+        assert len(calls) == 1
+        assert calls[0][3] is md.context_slots  # the cache read in place, at every key's slot
     calls.clear()
     md = AttentionMetadata.build([1], [9], [[0, 1, 2]], 4, torch.device("cpu"))
     bf16_cache = (cache[0].bfloat16(), cache[1].bfloat16())

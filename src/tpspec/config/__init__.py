@@ -6,6 +6,7 @@ User errors raise ``ValueError`` naming the field, the bad value and what is all
 from tpspec.config.cache import CacheConfig
 from tpspec.config.engine import (
     GGUF_KERNEL_METHODS,
+    INTEGER_METHODS,
     MODEL_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZATION_OPTIONS,
@@ -25,8 +26,8 @@ from tpspec.config.scheduler import SchedulerConfig
 from tpspec.config.speculative import SpeculativeConfig
 
 __all__ = [
-    "BACKENDS", "DEFAULT_MASTER_PORT", "GEMMA3_LOCAL_ROPE_THETA", "GGUF_KERNEL_METHODS", "GEMMA3_SLIDING_WINDOW_PATTERN", "MODEL_DTYPES",
-    "QUANTIZATION_METHODS", "QUANTIZATION_OPTIONS", "SAMPLING_MODES", "SUPPORTED_DTYPES", "CacheConfig",
+    "BACKENDS", "DEFAULT_MASTER_PORT", "GEMMA3_LOCAL_ROPE_THETA", "GEMMA3_SLIDING_WINDOW_PATTERN", "GGUF_KERNEL_METHODS",
+    "INTEGER_METHODS", "MODEL_DTYPES", "QUANTIZATION_METHODS", "QUANTIZATION_OPTIONS", "SAMPLING_MODES", "SUPPORTED_DTYPES", "CacheConfig",
     "EngineConfig", "ModelArchConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "read_config_json",
     "resolve_dtype",
 ]

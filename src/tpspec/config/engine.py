@@ -25,6 +25,7 @@ SAMPLING_MODES = ("gathered", "vocab-parallel")
 # are verified: lossless either way).
 QUANTIZATION_METHODS = ("fp16", "q4_1", "w4a8", "w4a16")
 GGUF_KERNEL_METHODS = ("q4_1", "w4a8", "w4a16")  # those that run exactly-Q4_1 weights through tpspec's kernels
+INTEGER_METHODS = ("w4a16", "w4a8")  # those whose products are batch-invariant (every row count, one kernel)
 QUANTIZATION_OPTIONS = ("auto", "none", *QUANTIZATION_METHODS)  # "auto": resolve_quantization picks
 
 
@@ -46,6 +47,11 @@ class EngineConfig:
     # elementwise kernels instead of ~40 dispatched ops per layer. Compiled at start-up; TP 1 only.
     torch_compile: bool = False
     quantization: str | None = None  # one of QUANTIZATION_METHODS
+    # Refuse any setting in which a request's logits could depend on what shares its steps (other
+    # requests, how its prompt was chunked, k, cached blocks). They cannot where every linear weight
+    # runs through the integer kernels (INTEGER_METHODS; checked at load) and float32 attention through
+    # the per-query CPU kernel (layers.attention, every step), with no torch.compile.
+    batch_invariant: bool = False
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -78,6 +84,14 @@ class EngineConfig:
         if self.quantization in GGUF_KERNEL_METHODS and self.dtype != "float32":
             raise ValueError(f"quantization={self.quantization!r} multiplies float32 activations by a float32 model's "
                              f"Q4_1 weights, got dtype={self.dtype!r}; use dtype='float32'")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.quantization not in INTEGER_METHODS:
+            raise ValueError(f"batch_invariant needs an integer-kernel quantization {INTEGER_METHODS} (their products "
+                             f"take every row count through one kernel), got quantization={self.quantization!r}")
+        if self.batch_invariant and self.torch_compile:
+            raise ValueError("batch_invariant and torch_compile exclude each other: compiled steps fuse their "
+                             "elementwise work per batch shape")
         if self.sampling_mode == "vocab-parallel" and self.arch.vocab_size >= 2**24:
             raise ValueError(
                 f"sampling_mode='vocab-parallel' needs vocab_size < 2**24 (token ids are exchanged as "

@@ -107,9 +107,14 @@ class EngineArgs:
         "float32): half the weight bytes, faster decoding; q4_1 = weights that are exactly Q4_1 (the default "
         "model's layers) kept 4-bit, the rest as fp16 (CPU with AVX2; compiles a kernel on first use): fastest for "
         "one or a few sequences; w4a16 / w4a8 = those weights and exactly-Q8_0 ones times activations rounded to 15 / "
-        "8 bits in integer multiply-adds, every row count (w4a8: llama.cpp's numerics, less accurate); auto = q4_1 "
-        "for float32 on CPU where the kernel builds, else fp16; none = off",
+        "8 bits in integer multiply-adds, every row count: batch-invariant (w4a8: llama.cpp's numerics, less "
+        "accurate); auto = w4a16 for float32 on CPU where the kernels build, else fp16; none = off",
         str, QUANTIZATION_OPTIONS)
+    batch_invariant: bool = _option(
+        _config_default(EngineConfig, "batch_invariant"), "refuse to start unless a request's tokens and logprobs "
+        "cannot depend on what shares its steps (other requests, prompt chunks, speculation length, cached "
+        "blocks): every linear weight in the integer kernels (w4a16, the default, or w4a8, on weights exactly "
+        "Q4_1/Q8_0) and no torch.compile. Without it the same holds wherever those conditions do")
 
     # ---- the command line ---------------------------------------------------------------------
     @classmethod
@@ -205,6 +210,7 @@ class EngineArgs:
             sampling_mode=self.sampling_mode,
             torch_compile=self.torch_compile,
             quantization=quantization,
+            batch_invariant=self.batch_invariant,
         )
         import torch
 

@@ -65,12 +65,6 @@ def allocate_kv_cache(
 SMALL_QUERY_CLASS = 8
 
 
-# Up to this many new tokens per sequence (decodes, k + 1 verification queries, draft blocks), float32
-# attention on CPU goes through cpu_kernels' paged_attention where it is loaded; past it, a long
-# prefill chunk, through PyTorch's batched matmuls.
-KERNEL_MAX_QUERY_LEN = 16
-
-
 def query_length_class(query_len: int) -> int:
     """Sequences of one class attend in one call, their queries padded to the longest: 1 (decodes),
     2 … SMALL_QUERY_CLASS, then each next power of two (padding at most doubles the queries)."""
@@ -183,7 +177,6 @@ class AttentionMetadata:
     token_seq: torch.Tensor  # [num_tokens] the row of context_slots of each token's sequence
     token_pos: torch.Tensor  # [num_tokens] absolute position of each token
     key_end: torch.Tensor  # [num_tokens] how many of its sequence's first keys each token sees
-    max_query_len: int  # the step's most new tokens of one sequence
     # (first slot, max_context) when the step has one sequence and its keys fill consecutive slots
     # (consecutive blocks): attention reads them in place instead of gathering them; None otherwise
     contiguous_slots: tuple[int, int] | None = None
@@ -288,7 +281,6 @@ class AttentionMetadata:
             token_seq=tensor(row_of_seq[token_seq]),
             token_pos=tensor(token_pos),
             key_end=tensor(key_end),
-            max_query_len=max(query_lens),
             contiguous_slots=contiguous,
             _group_plan=_GroupPlan(qlen, ctx, tail, starts, order, [classes[i] for i in order], key_valid, device),
         )
@@ -311,11 +303,12 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    Float32 steps on CPU whose sequences feed at most ``KERNEL_MAX_QUERY_LEN`` tokens each
-    (decodes, k + 1 verification queries, draft blocks) go through ``cpu_kernels``'
-    paged_attention where it is loaded: every query reads its own key range
+    Float32 steps on CPU (decodes, k + 1 verification queries, draft blocks, prefill chunks) go
+    through ``cpu_kernels``' paged_attention where it is loaded: every query reads its own key range
     (``AttentionMetadata.key_range``) where the keys lie in the paged cache, no gather, no mask
-    (2-3x PyTorch's path at one sequence). Otherwise K/V are gathered head by head, one
+    (2-3x PyTorch's path at one sequence, 1.4-2.8x on 512-token prefill chunks, down to 0.6x on
+    64-query chunks over 2,048 keys: benchmarks/README.md). A query's output then depends on its
+    own keys alone, not on the step's other queries (``EngineConfig.batch_invariant``). Otherwise K/V are gathered head by head, one
     ``index_select`` each (``AttentionMetadata.head_rows``), except for a lone sequence in
     consecutive slots, read in place (``contiguous_slots``). Per ``QueryGroup``: decodes in float32
     (float16 attends in float32) go through PyTorch's fused SDPA; everything else (prefill, k + 1
@@ -366,8 +359,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, md.slot_mapping, v.to(compute))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
-        short = md.max_query_len <= KERNEL_MAX_QUERY_LEN and compute == torch.float32
-        kernels = cpu_kernels.usable(q, k_cache) if short and d % 8 == 0 else None
+        kernels = cpu_kernels.usable(q, k_cache) if compute == torch.float32 and d % 8 == 0 else None
         if kernels is not None:  # the cache read in place, no gather
             out = kernels.paged_attention(q.to(compute).contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
                                           md.key_range(self.sliding_window), self.kv_head_of_head, self.scale)

@@ -185,11 +185,14 @@ class PackedCPUWeight:
         return linear(x, self.weight, bias, self.packed_weight())
 
 
-def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
+INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)
+
+
+def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> collections.Counter:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
     exactly Q4_1 or Q8_0 in their kernels' (and in float16 for more rows), with "w4a8" or "w4a16" in the
-    integer kernels', the rest in float16; logs how many weights each format got."""
+    integer kernels', the rest in float16; logs and returns how many weights each format got."""
     formats = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):
@@ -200,6 +203,7 @@ def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> None:
     if formats:
         logger.info("%s: linear weights by format: %s", type(model).__name__,
                     ", ".join(f"{n} {fmt}" for fmt, n in formats.most_common()))
+    return formats
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -230,15 +234,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def resolve_quantization(quantization: str | None, dtype: str, device_type: str) -> str | None:
-    """``auto`` means, for a float32 model on a CPU whose torch has fbgemm, "q4_1" where tpspec's
+    """``auto`` means, for a float32 model on a CPU whose torch has fbgemm, "w4a16" where tpspec's
     CPU kernels build (AVX2, FMA, F16C and a C++ compiler; ``layers.cpu_kernels``), else "fp16";
-    elsewhere None. "q4_1" keeps weights that are exactly Q4_1 (the default model's layers) 4-bit
-    and multiplies them exactly (up to summation order) up to 8 rows a product, through the "fp16"
-    copy past that, so it is never further from float32 than "fp16": on the default model it decoded
-    one sequence 1.25-1.31x as fast as "fp16" on an AVX2 CPU, and "fp16" 1.86x as fast as float32
-    weights (benchmarks/README.md: CPU kernels; float16 weights). The bound either is held to:
-    at least 28 of 32 greedy 64-token HumanEval sequences identical to float32's and chosen-token
-    logprobs within 0.05 nats (``benchmarks/dtype_agreement.py``). ``none`` (or None): off."""
+    elsewhere None. "w4a16" multiplies weights that are exactly Q4_1 or Q8_0 (the default model's)
+    by activations rounded to 15 bits in integer multiply-adds, every row count through one kernel
+    (batch-invariant): on the default model 32 of 32 greedy 64-token HumanEval sequences identical
+    to float32's, chosen-token logprobs within 0.0024 nats, and faster than "q4_1" (exact weights,
+    float32 widening up to 8 rows, the "fp16" copy past that) at every row count on an AVX-512 VNNI
+    CPU; "fp16" decoded 1.86x as fast as float32 weights (benchmarks/README.md). The bound every
+    method is held to: at least 28 of 32 such sequences identical and logprobs within 0.05 nats
+    (``benchmarks/dtype_agreement.py``; "w4a8", llama.cpp's 8-bit activations, misses it: 14 of 32).
+    ``none`` (or None): off."""
     if quantization is not None and quantization not in QUANTIZATION_OPTIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS}, got {quantization!r}")
     if quantization == "auto":
@@ -248,5 +254,5 @@ def resolve_quantization(quantization: str | None, dtype: str, device_type: str)
             return None
         from tpspec.layers import cpu_kernels
 
-        return "q4_1" if cpu_kernels.unavailable() is None else "fp16"
+        return "w4a16" if cpu_kernels.unavailable() is None else "fp16"
     return None if quantization == "none" else quantization

@@ -14,7 +14,6 @@ it, nor on the path (``csrc``'s header).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,16 +53,12 @@ class Q8_0Int8Weight:
 
 @functools.lru_cache(maxsize=1)
 def isa() -> str:
-    """The kernel's path here: ``avx512_vnni`` where the CPU has AVX-512 (``cpu_kernels.wide``) with
-    VNNI, else ``avx2``; ``TPSPEC_INT8_ISA=avx2`` asks for the AVX2 path on such a CPU (tests and
-    benchmarks). Both give the same bits."""
+    """The kernel's path here: ``avx512_vnni`` where the CPU has AVX-512 with VNNI and no ISA cap
+    asks for AVX2 (``cpu_kernels.wide``: ``ATEN_CPU_CAPABILITY=avx2`` gives an AVX2 run), else
+    ``avx2``. Both give the same bits."""
     from tpspec.cpu_features import cpu_model_and_isa
 
-    best = "avx512_vnni" if cpu_kernels.wide() and VNNI_ISA in cpu_model_and_isa()[1] else "avx2"
-    cap = os.environ.get("TPSPEC_INT8_ISA")
-    if cap is not None and cap not in ISAS:
-        raise ValueError(f"TPSPEC_INT8_ISA must be one of {ISAS}, got {cap!r}")
-    return "avx2" if cap == "avx2" else best
+    return "avx512_vnni" if cpu_kernels.wide() and VNNI_ISA in cpu_model_and_isa()[1] else "avx2"
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers import cpu_kernels
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, num_kv_blocks
-from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, pack_cpu_weights
+from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, INTEGER_FORMATS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.sample import token_bitmask, vocab_parallel
@@ -83,7 +83,12 @@ class ModelRunner:
             reason = cpu_kernels.unavailable()  # builds tpspec's CPU kernels on first use; decode ops then take them
             if reason:
                 logger.info("tpspec's CPU kernels are unavailable (%s): PyTorch's ops instead", reason)
-        pack_cpu_weights(self.model, self.config.quantization)
+        formats = pack_cpu_weights(self.model, self.config.quantization)
+        if self.config.batch_invariant and set(formats) - set(INTEGER_FORMATS):
+            raise ValueError(
+                f"batch_invariant needs every linear weight in the integer kernels (exactly Q4_1 or Q8_0, as a Q4_1 "
+                f"GGUF's are); this model's formats: {dict(formats)}"
+            )
         self.num_blocks = num_kv_blocks(self.config, self.device)
         self.kv_caches = allocate_kv_cache(
             self.config.arch.num_hidden_layers, self.num_blocks * self.block_size, self.model.kv_cache_shape,
