@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tpspec import LLM, SamplingParams
 from tpspec.layers.cpu_weights import resolve_quantization
 from tpspec.cpu_features import has_fbgemm
-from tpspec.layers import cpu_kernels
+from tpspec.layers import cpu_kernels, int8_dot
 from tests.conftest import copy_with_weights, exactly_q4_1, write_tiny_dflash
 
 pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
@@ -143,8 +143,13 @@ def test_bad_quantization_options_are_refused(tiny_llama):
         LLM(tiny_llama, batch_invariant=True, torch_compile=True, **ENGINE)
 
 
-def test_auto_is_w4a16_where_the_kernels_build_else_fp16_only_for_float32_on_cpu(monkeypatch):
-    assert resolve_quantization("auto", "float32", "cpu") == ("fp16" if cpu_kernels.unavailable() else "w4a16")
+def test_auto_is_w4a16_with_vnni_q4_1_on_avx2_else_fp16_only_for_float32_on_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "unavailable", lambda: None)
+    monkeypatch.setattr(int8_dot, "isa", lambda: "avx512_vnni")
+    assert resolve_quantization("auto", "float32", "cpu") == "w4a16"
+    monkeypatch.setattr(int8_dot, "isa", lambda: "avx2")
+    assert resolve_quantization("auto", "float32", "cpu") == "q4_1"
+    assert resolve_quantization("auto", "float32", "cpu", batch_invariant=True) == "w4a16"
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "the CPU lacks avx2")
     assert resolve_quantization("auto", "float32", "cpu") == "fp16"
     assert resolve_quantization("auto", "bfloat16", "cpu") is None

@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct) with the default settings (float32 on CPU, its linear
-weights kept Q4_1 and Q8_0 and multiplied by activations rounded to 15 bits where tpspec's CPU
-kernels build, in float16 otherwise: ``--quantization auto``) generates the same greedy tokens as
+weights kept Q4_1 and Q8_0, multiplied by activations rounded to 15 bits with AVX-512 VNNI and
+widened to float32 with AVX2 only, in float16 where tpspec's CPU kernels do not build:
+``--quantization auto``) generates the same greedy tokens as
 transformers in float32, loading the same GGUF file through its own, independent GGUF reader."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from tpspec import LLM, SamplingParams
 from tpspec.cpu_features import has_fbgemm
 from tpspec.default_model import default_model_path
-from tpspec.layers import cpu_kernels
+from tpspec.layers import cpu_kernels, int8_dot
 
 # Five tokens each, so transformers runs them as one batch without padding (and a padded batch's
 # numerics cannot blur the comparison); the chat prompt runs on its own.
@@ -32,7 +33,8 @@ def ours():
     with LLM(num_kv_blocks=64, max_model_len=512) as llm:
         assert llm.llm_engine.config.dtype == "float32"
         assert llm.llm_engine.config.quantization == (
-            None if not has_fbgemm() else "fp16" if cpu_kernels.unavailable() else "w4a16")
+            None if not has_fbgemm() else "fp16" if cpu_kernels.unavailable()
+            else "w4a16" if int8_dot.isa() == "avx512_vnni" else "q4_1")
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         outputs += llm.chat(CHAT, params, use_tqdm=False)

@@ -108,13 +108,14 @@ class EngineArgs:
         "model's layers) kept 4-bit, the rest as fp16 (CPU with AVX2; compiles a kernel on first use): fastest for "
         "one or a few sequences; w4a16 / w4a8 = those weights and exactly-Q8_0 ones times activations rounded to 15 / "
         "8 bits in integer multiply-adds, every row count: batch-invariant (w4a8: llama.cpp's numerics, less "
-        "accurate); auto = w4a16 for float32 on CPU where the kernels build, else fp16; none = off",
+        "accurate); auto = (float32 on CPU) w4a16 with AVX-512 VNNI (or --batch-invariant), q4_1 with AVX2 only, "
+        "fp16 where the kernels do not build; none = off",
         str, QUANTIZATION_OPTIONS)
     batch_invariant: bool = _option(
         _config_default(EngineConfig, "batch_invariant"), "refuse to start unless a request's tokens and logprobs "
         "cannot depend on what shares its steps (other requests, prompt chunks, speculation length, cached "
-        "blocks): every linear weight in the integer kernels (w4a16, the default, or w4a8, on weights exactly "
-        "Q4_1/Q8_0) and no torch.compile. Without it the same holds wherever those conditions do")
+        "blocks): every linear weight in the integer kernels (w4a16, which auto then picks, or w4a8, on weights "
+        "exactly Q4_1/Q8_0) and no torch.compile. Without it the same holds wherever those conditions do")
 
     # ---- the command line ---------------------------------------------------------------------
     @classmethod
@@ -164,7 +165,7 @@ class EngineArgs:
             raise ValueError(f"distributed_backend='nccl' needs CUDA devices, got device {device_kind!r}; "
                              "use 'gloo' or 'auto' on CPU")
         dtype = resolve_dtype(self.dtype, device_kind)
-        quantization = resolve_quantization(self.quantization, dtype, device_kind)
+        quantization = resolve_quantization(self.quantization, dtype, device_kind, self.batch_invariant)
         if quantization in QUANTIZATION_METHODS and device_kind != "cpu":
             raise ValueError(f"quantization={quantization!r} is a CPU weight format, got device {device_kind!r}; "
                              "on CUDA use --dtype float16")

@@ -233,18 +233,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def resolve_quantization(quantization: str | None, dtype: str, device_type: str) -> str | None:
-    """``auto`` means, for a float32 model on a CPU whose torch has fbgemm, "w4a16" where tpspec's
-    CPU kernels build (AVX2, FMA, F16C and a C++ compiler; ``layers.cpu_kernels``), else "fp16";
-    elsewhere None. "w4a16" multiplies weights that are exactly Q4_1 or Q8_0 (the default model's)
-    by activations rounded to 15 bits in integer multiply-adds, every row count through one kernel
-    (batch-invariant): on the default model 32 of 32 greedy 64-token HumanEval sequences identical
-    to float32's, chosen-token logprobs within 0.0024 nats, and faster than "q4_1" (exact weights,
-    float32 widening up to 8 rows, the "fp16" copy past that) at every row count on an AVX-512 VNNI
-    CPU; "fp16" decoded 1.86x as fast as float32 weights (benchmarks/README.md). The bound every
-    method is held to: at least 28 of 32 such sequences identical and logprobs within 0.05 nats
-    (``benchmarks/dtype_agreement.py``; "w4a8", llama.cpp's 8-bit activations, misses it: 14 of 32).
-    ``none`` (or None): off."""
+def resolve_quantization(quantization: str | None, dtype: str, device_type: str,
+                         batch_invariant: bool = False) -> str | None:
+    """``auto`` means, for a float32 model on a CPU whose torch has fbgemm and where tpspec's CPU
+    kernels build (AVX2, FMA, F16C and a C++ compiler; ``layers.cpu_kernels``): "w4a16" where the
+    integer kernels take their AVX-512 VNNI path (``int8_dot.isa``) or ``batch_invariant`` asks for
+    it, else "q4_1"; "fp16" where the kernels do not build; elsewhere None. "w4a16" multiplies
+    weights that are exactly Q4_1 or Q8_0 (the default model's) by activations rounded to 15 bits in
+    integer multiply-adds, every row count through one kernel (batch-invariant): on the default
+    model 32 of 32 greedy 64-token HumanEval sequences identical to float32's, chosen-token logprobs
+    within 0.0024 nats, and with VNNI faster than "q4_1" (exact weights, float32 widening up to 8
+    rows, the "fp16" copy past that) at every row count; on the AVX2 path its products are 6-15 %
+    slower than that float16 copy past 8 rows (a decode step at 32 sequences 2-7 %), so "q4_1"
+    stays the default there (benchmarks/README.md). The bound every method is held to: at least 28
+    of 32 such sequences identical and logprobs within 0.05 nats (``benchmarks/dtype_agreement.py``;
+    "w4a8", llama.cpp's 8-bit activations, misses it: 14 of 32). ``none`` (or None): off."""
     if quantization is not None and quantization not in QUANTIZATION_OPTIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS}, got {quantization!r}")
     if quantization == "auto":
@@ -254,5 +257,9 @@ def resolve_quantization(quantization: str | None, dtype: str, device_type: str)
             return None
         from tpspec.layers import cpu_kernels
 
-        return "w4a16" if cpu_kernels.unavailable() is None else "fp16"
+        if cpu_kernels.unavailable() is not None:
+            return "fp16"
+        from tpspec.layers import int8_dot
+
+        return "w4a16" if batch_invariant or int8_dot.isa() == "avx512_vnni" else "q4_1"
     return None if quantization == "none" else quantization
