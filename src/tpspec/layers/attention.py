@@ -308,8 +308,8 @@ class Attention(nn.Module):
     (``AttentionMetadata.key_range``) where the keys lie in the paged cache, no gather, no mask
     (2-3x PyTorch's path at one sequence, 1.4-2.8x on 512-token prefill chunks, down to 0.6x on
     64-query chunks over 2,048 keys: benchmarks/README.md). A query's output then depends on its
-    own keys alone, not on the step's other queries (``EngineConfig.batch_invariant``). Otherwise K/V are gathered head by head, one
-    ``index_select`` each (``AttentionMetadata.head_rows``), except for a lone sequence in
+    own keys alone, not on the step's other queries (``EngineConfig.batch_invariant``). Otherwise
+    K/V are gathered head by head, one ``index_select`` each (``AttentionMetadata.head_rows``), except for a lone sequence in
     consecutive slots, read in place (``contiguous_slots``). Per ``QueryGroup``: decodes in float32
     (float16 attends in float32) go through PyTorch's fused SDPA; everything else (prefill, k + 1
     speculative queries, bfloat16) through two batched matmuls over [seqs, kv_heads, group,

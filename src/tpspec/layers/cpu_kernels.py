@@ -1,5 +1,6 @@
 """tpspec's C++ kernels for x86 CPUs with AVX2, FMA and F16C (``csrc/``): the Q4_1 and Q8_0
-products (``layers.q4_1``, ``layers.q8_0``; 16 lanes wide where the CPU has AVX-512, ``wide``), and
+products (``layers.q4_1``, ``layers.q8_0``; 16 lanes wide where the CPU has AVX-512, ``wide``), the
+same weights in integer multiply-adds (``layers.int8_dot``; AVX-512 VNNI where the CPU has it), and
 RMSNorm with its residual add and attention of a few queries per sequence over the paged KV cache
 (decodes, verification; ``decode_ops.cpp``), each one call where PyTorch dispatches several ops
 (and gathers the keys). Built with the machine's C++ compiler (and ninja)

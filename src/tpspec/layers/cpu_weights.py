@@ -1,8 +1,7 @@
 """CPU weight formats and the product that dispatches on them: float32 weights reordered for
 oneDNN, float16 weights through fbgemm, weights that are exactly Q4_1 or Q8_0 through tpspec's
-kernels (``layers.q4_1``, ``layers.q8_0``, and with activations rounded to 8 bits
-``layers.int8_dot``); packed once at load (``pack_cpu_weights``), looked up
-by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
+kernels (``layers.q4_1``, ``layers.q8_0``, and with activations rounded to integers
+``layers.int8_dot``); packed once at load (``pack_cpu_weights``), looked up by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
 
 from __future__ import annotations
 
@@ -48,13 +47,14 @@ CPU_FLOAT16_MAX_ROWS = 4
 # float16 GEMM (benchmarks/README.md, Q4_1 weights).
 QUANTIZED_MAX_ROWS = 8
 # What each --quantization packs an exactly-Q4_1 weight, an exactly-Q8_0 one and any other in (the
-# integer kernels of "w4a8" take every row count: no float16 copy).
+# integer kernels of "w4a8" and "w4a16" take every row count: no float16 copy).
 EXACT_FORMATS = {
     "q4_1": (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact)),
     **{method: (("q4_1_int8", functools.partial(int8_dot.quantize_exact_q4_1, activation_bits=bits)),
                 ("q8_0_int8", functools.partial(int8_dot.quantize_exact_q8_0, activation_bits=bits)))
        for method, bits in (("w4a8", 8), ("w4a16", 15))},
 }
+INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)
 
 
 def _row_bucket(rows: int) -> int:
@@ -99,8 +99,8 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
-    """``w`` packed in ``fmt``; "q4_1" and "w4a8" give their Q4_1 or Q8_0 format where ``w`` is exactly
-    such (``EXACT_FORMATS``), "fp16" where it is neither."""
+    """``w`` packed in ``fmt``; "q4_1", "w4a8" and "w4a16" give their Q4_1 or Q8_0 format where ``w`` is
+    exactly such (``EXACT_FORMATS``), "fp16" where it is neither."""
     if fmt in EXACT_FORMATS:
         for name, quantize_exact in EXACT_FORMATS[fmt]:
             exact = quantize_exact(w.detach())
@@ -185,9 +185,6 @@ class PackedCPUWeight:
         return linear(x, self.weight, bias, self.packed_weight())
 
 
-INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)
-
-
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> collections.Counter:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
@@ -208,14 +205,15 @@ def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> colle
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the Q4_1 and
-    Q8_0 kernels up to ``QUANTIZED_MAX_ROWS`` rows, fbgemm for float16 weights, oneDNN for float32 up to
+    """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the integer kernels
+    for any row count, the Q4_1 and Q8_0 kernels up to ``QUANTIZED_MAX_ROWS`` rows, fbgemm for float16
+    weights, oneDNN for float32 up to
     ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows
     goes through float32 (exact upcasts, float32 accumulation either way) and is rounded back to
     float16.
     x: [num_rows, in_features] -> [num_rows, out_features]."""
     if packed is not None:
-        if packed.format in ("q4_1_int8", "q8_0_int8"):
+        if packed.format in INTEGER_FORMATS:
             out = int8_dot.int8_linear(x, packed.data)
             return out if bias is None else out + bias
         if packed.format in ("q4_1", "q8_0"):
