@@ -1,7 +1,7 @@
 """Batch invariance (``EngineConfig.batch_invariant``; the default wherever it holds): a request's
 greedy tokens and their logprobs are the same bits alone and inside random batches of 1-64 rows of
 other requests, with its prompt prefilled whole or in chunks, from cached blocks, and under
-EAGLE-3 and n-gram speculation at every k from 1 to 7: the integer kernels multiply every row alone
+EAGLE-3 and n-gram speculation at every k from 1 to 7, and at TP 2: the integer kernels multiply every row alone
 (tests/layers/test_int8_dot.py) and every float32 attention reads each query's own keys through the
 paged-attention kernel. On the tiny model whose weights are exactly Q4_1 and Q8_0, as a Q4_1
 GGUF's (``tiny_gguf_llama``)."""
@@ -63,6 +63,18 @@ def test_a_request_is_the_same_bits_in_any_batch_from_cached_blocks_and_in_chunk
     with LLM(tiny_gguf_llama, enable_prefix_caching=False, **chunked) as llm:
         assert _tokens_and_logprobs(llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]) == alone
         assert _tokens_and_logprobs(_in_batch(llm, _others(5, rng), 3)) == alone
+
+
+def test_at_tp_2_too(tiny_gguf_llama):
+    """Every rank's shard through the same kernels; the all-reduce of two ranks' partial sums is
+    exact in either order."""
+    rng = random.Random(2)
+    with LLM(tiny_gguf_llama, tensor_parallel_size=2, enable_prefix_caching=False, **ENGINE) as llm:
+        ref = _tokens_and_logprobs(llm.generate([PROMPT], PARAMS, use_tqdm=False)[0])
+        assert _tokens_and_logprobs(_in_batch(llm, _others(7, rng), 4)) == ref
+    with LLM(tiny_gguf_llama, tensor_parallel_size=2, enable_prefix_caching=False,
+             **dict(ENGINE, max_num_batched_tokens=8)) as llm:
+        assert _tokens_and_logprobs(_in_batch(llm, _others(3, rng), 1)) == ref
 
 
 @pytest.fixture(scope="module")
