@@ -258,8 +258,9 @@ class DraftModelSpeculator(Speculator):
 
     # ---- loading --------------------------------------------------------------------------
     def load(self, target_model: torch.nn.Module, num_kv_slots: int) -> None:
-        """Build the draft model; under ``--quantization q4_1`` or ``w4a8`` a shipped drafter's own weights
-        are rounded to Q4_1 where its method says so, then its weights are packed for the CPU."""
+        """Build the draft model; under ``--quantization q4_1``, ``w4a16`` or ``w4a8`` a shipped
+        drafter's own weights are rounded to Q4_1 where its method says so, then its weights are
+        packed for the CPU."""
         self.num_kv_slots = num_kv_slots
         self.model = self._build_model(target_model)
         quantization = self.engine_config.quantization
