@@ -111,12 +111,16 @@ static inline int32_t x_chunk(const uint8_t* xq) {  // 4 bytes of x, to broadcas
   return v;
 }
 
-// Lanes o0 .. o0+n-1 of out's row from the block's accumulator (n < 16: the last, padded block).
-static inline void store_lanes(float* out, const float* lanes, int64_t n) {
-  std::memcpy(out, lanes, n * sizeof(float));
-}
-
 // ---- AVX2: half a block (8 outputs, half h) for rows r0 .. r0+RB-1 ----------------------------
+
+// Σ over a group of 8 outputs' unsigned 4-bit weights (w[c]: chunk c) times one row's 32 bytes of x.
+static inline __m256i q4_group_avx2(const __m256i w[8], const uint8_t* xg) {
+  // |Σ of 8 chunks' pairs| <= 8·2·15·127 = 30480: int16 holds it
+  __m256i sum16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x_chunk(xg)));
+  for (int c = 1; c < 8; ++c)
+    sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_chunk(xg + 4 * c))));
+  return _mm256_madd_epi16(sum16, _mm256_set1_epi16(1));
+}
 
 template <int RB, bool Q8, bool A15>
 void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
@@ -157,19 +161,9 @@ void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
       }
       const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + (b * G + g) * BLOCK + 8 * h)));
       for (int r = 0; r < RB; ++r) {
-        const uint8_t* xg = a.xq + (r0 + r) * a.I + g * GROUP;
-        // |Σ of 8 chunks' pairs| <= 8·2·15·127 = 30480: int16 holds it
-        __m256i sum16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x_chunk(xg)));
-        for (int c = 1; c < 8; ++c)
-          sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_chunk(xg + 4 * c))));
-        __m256i sum = _mm256_madd_epi16(sum16, ones);
-        if constexpr (A15) {
-          const uint8_t* lg = a.xl + (r0 + r) * a.I + g * GROUP;
-          __m256i low16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x_chunk(lg)));
-          for (int c = 1; c < 8; ++c)
-            low16 = _mm256_add_epi16(low16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x_chunk(lg + 4 * c))));
-          sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 7), _mm256_madd_epi16(low16, ones));
-        }
+        const int64_t xo = (r0 + r) * a.I + g * GROUP;
+        __m256i sum = q4_group_avx2(w, a.xq + xo);
+        if constexpr (A15) sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 7), q4_group_avx2(w, a.xl + xo));
         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dw);
         acc[r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(a.xd + (r0 + r) * G + g), acc[r]);
         acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(a.xs + (r0 + r) * G + g), acc[r]);
@@ -184,7 +178,7 @@ void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
     } else if (n > 0) {
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, acc[r]);
-      store_lanes(dst, lanes, n);
+      std::memcpy(dst, lanes, n * sizeof(float));  // the last, padded block
     }
   }
 }
@@ -207,6 +201,24 @@ void blocks_avx2(const Operands& a, int64_t R, int64_t b0, int64_t b1) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// Σ over a group of 16 outputs' weights (w[c]: chunk c) times one row's 32 bytes of x: two
+// chains of vpdpbusd (half the latency). Q8_0's weights are signed, so x is the unsigned operand.
+template <bool Q8>
+static inline __m512i group_vnni(const __m512i w[8], const uint8_t* xg) {
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int c = 0; c < 8; c += 2) {
+    const __m512i xe = _mm512_set1_epi32(x_chunk(xg + 4 * c)), xo = _mm512_set1_epi32(x_chunk(xg + 4 * c + 4));
+    if constexpr (Q8) {
+      even = _mm512_dpbusd_epi32(even, xe, w[c]);
+      odd = _mm512_dpbusd_epi32(odd, xo, w[c + 1]);
+    } else {
+      even = _mm512_dpbusd_epi32(even, w[c], xe);
+      odd = _mm512_dpbusd_epi32(odd, w[c + 1], xo);
+    }
+  }
+  return _mm512_add_epi32(even, odd);
+}
 
 template <int RB, bool Q8, bool A15>
 void block_vnni(const Operands& a, int64_t b, int64_t r0) {
@@ -240,34 +252,10 @@ void block_vnni(const Operands& a, int64_t b, int64_t r0) {
     const __m512 mv = Q8 ? _mm512_setzero_ps()
                          : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + bg)));
     for (int r = 0; r < RB; ++r) {
-      const uint8_t* xg = a.xq + (r0 + r) * a.I + g * GROUP;
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: half the latency
-      for (int c = 0; c < 8; c += 2) {
-        const __m512i xe = _mm512_set1_epi32(x_chunk(xg + 4 * c)), xo = _mm512_set1_epi32(x_chunk(xg + 4 * c + 4));
-        if constexpr (Q8) {
-          even = _mm512_dpbusd_epi32(even, xe, w[c]);
-          odd = _mm512_dpbusd_epi32(odd, xo, w[c + 1]);
-        } else {
-          even = _mm512_dpbusd_epi32(even, w[c], xe);
-          odd = _mm512_dpbusd_epi32(odd, w[c + 1], xo);
-        }
-      }
-      __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even, odd), bias);
-      if constexpr (A15) {  // + Σ q·l: l is unsigned, the weights' signs stay where they are
-        const uint8_t* lg = a.xl + (r0 + r) * a.I + g * GROUP;
-        __m512i le = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c += 2) {
-          const __m512i xe = _mm512_set1_epi32(x_chunk(lg + 4 * c)), xo = _mm512_set1_epi32(x_chunk(lg + 4 * c + 4));
-          if constexpr (Q8) {
-            le = _mm512_dpbusd_epi32(le, xe, w[c]);
-            lo = _mm512_dpbusd_epi32(lo, xo, w[c + 1]);
-          } else {
-            le = _mm512_dpbusd_epi32(le, w[c], xe);
-            lo = _mm512_dpbusd_epi32(lo, w[c + 1], xo);
-          }
-        }
-        sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7), _mm512_add_epi32(le, lo));
-      }
+      const int64_t xo = (r0 + r) * a.I + g * GROUP;
+      __m512i sum = _mm512_sub_epi32(group_vnni<Q8>(w, a.xq + xo), bias);
+      // + Σ q·l: l is unsigned (no offset), the weights' signs stay where they are
+      if constexpr (A15) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7), group_vnni<Q8>(w, a.xl + xo));
       const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw);
       acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(a.xd[(r0 + r) * G + g]), acc[r]);
       if constexpr (!Q8) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.xs[(r0 + r) * G + g]), acc[r]);
