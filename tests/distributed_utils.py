@@ -1,53 +1,67 @@
-"""Run a function on ``world_size`` gloo ranks (spawned processes, free port) and collect results."""
+"""Run a function on ``world_size`` gloo ranks (forks of the engine's fork server, a free port) and
+collect results."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import pickle
+import threading
 import traceback
 
 import torch
 
 from tpspec.distributed.parallel_state import destroy_distributed, get_free_port, init_distributed
+from tpspec.executor.fork_server import fork_server
 
 
-def _entry(fn, rank, world_size, init_method, args, queue, received):
+def _entry(fn, rank, world_size, init_method, args, result_fd):
+    status, value = "ok", None
     try:
         torch.set_num_threads(1)
         init_distributed(rank, world_size, init_method, "gloo", torch.device("cpu"), 120)
-        result = fn(*args)
-        queue.put((rank, "ok", result))
+        value = fn(*args)
     except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
+        status, value = "error", traceback.format_exc()
     finally:
         destroy_distributed()
-        # A tensor in the queue travels as a shared-memory file descriptor that this process
-        # hands over when the parent unpickles it: stay alive until the parent has them all.
-        received.wait(60)
-        os._exit(0)  # skip the interpreter's teardown (~0.4 s with torch loaded): nothing is left to flush
+    with os.fdopen(result_fd, "wb") as f:
+        pickle.dump((status, value), f)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120):
     """``fn(*args)`` on each rank; returns the per-rank results (rank order). ``fn`` must be picklable."""
-    ctx = mp.get_context("spawn")
-    queue, received = ctx.Queue(), ctx.Event()
     init_method = f"tcp://127.0.0.1:{get_free_port()}"
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, init_method, args, queue, received)) for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results = {}
+    server = fork_server()
+    procs, readers, results = [], [], {}
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+        for rank in range(world_size):
+            r, w = os.pipe()
+            try:
+                procs.append(server.start(_entry, (fn, rank, world_size, init_method, args), fds=(w,)))
+            finally:
+                os.close(w)
+            readers.append(threading.Thread(target=lambda rank=rank, r=r: results.__setitem__(rank, _read(r)),
+                                            daemon=True))
+            readers[-1].start()
+        for t in readers:
+            t.join(timeout)
+            if t.is_alive():
+                raise TimeoutError(f"ranks did not finish within {timeout:g} s")
     finally:
-        received.set()
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            if p.wait(10) is None:
                 p.kill()
-    return [results[r] for r in range(world_size)]
+            p.close()
+    out = []
+    for rank in range(world_size):
+        status, value = results.get(rank, ("error", "exited without a result"))
+        if status == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        out.append(value)
+    return out
+
+
+def _read(fd: int):
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    return pickle.loads(data) if data else ("error", "exited without a result")

@@ -6,11 +6,11 @@ transformers in float32, loading the same GGUF file through its own, independent
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
+from tests.reference_models import transformers_gguf_model
 from tpspec import LLM, SamplingParams
 from tpspec.cpu_features import has_fbgemm
 from tpspec.default_model import default_model_path
@@ -43,10 +43,7 @@ def ours():
 
 @pytest.fixture(scope="module")
 def reference_model():
-    from transformers import AutoModelForCausalLM
-
-    directory, filename = os.path.split(default_model_path())
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
+    return transformers_gguf_model(default_model_path())
 
 
 def _reference(model, prompts: list[list[int]]) -> list[list[int]]:

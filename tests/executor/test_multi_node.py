@@ -143,7 +143,7 @@ def _run(model: str, tp: int, nnodes: int, tmp_path=None, spec: dict | None = No
                     local = [p.pid for p in llm.llm_engine.executor.workers]
                     assert len(local) == tp // nnodes - 1
                     remote = _tree(node.proc.pid)
-                    assert len(remote) == 1 + tp // nnodes, remote  # the agent and its ranks
+                    assert len(remote) == 2 + tp // nnodes, remote  # the agent, its fork server and its ranks
                     _RUNS[key] = _generate(llm)
                 assert node.wait(30) == 0, node.log[-3000:]  # the head's clean shutdown ends the node cleanly
                 assert "the head shut the engine down" in node.log

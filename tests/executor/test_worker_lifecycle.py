@@ -172,20 +172,23 @@ def test_garbage_collected_llm_stops_the_workers(tiny_llama):
     _assert_gone(pids, timeout=15)
 
 
-def test_worker_dying_during_startup_fails_the_start(tiny_llama, monkeypatch):
+def _crashing_worker(rank, config, device_kind, init_method, environ, ready_fd) -> None:
+    """A worker that exits before joining the TP group, having written its pid where the engine's
+    environment says."""
+    with open(environ["TPSPEC_TEST_CRASH_PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    sys.exit(3)
+
+
+def test_worker_dying_during_startup_fails_the_start(tiny_llama, monkeypatch, tmp_path):
     """A worker that exits before joining the TP group (bad device, import error, ...) must not
     leave rank 0 waiting for it until the rendezvous timeout (minutes)."""
-    real_popen = subprocess.Popen
-    started = []
-
-    def crashing_worker(args, **kwargs):
-        p = real_popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(); sys.exit(3)"], **kwargs)
-        started.append(p.pid)
-        return p
-
-    monkeypatch.setattr(local_workers_mod.subprocess, "Popen", crashing_worker)
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("TPSPEC_TEST_CRASH_PIDS", str(pids_file))
+    monkeypatch.setattr(local_workers_mod, "_worker_main", _crashing_worker)
     _, error, seconds = _call(lambda: LLM(tiny_llama, **ENGINE), timeout=60)
     monkeypatch.undo()
+    started = [int(line) for line in pids_file.read_text().split()]
     assert started and error is not None
     assert "exit code 3" in str(error), error
     assert seconds < 20

@@ -12,12 +12,12 @@ drafting for itself at TP 2, flag on and off, in tests/spec_decode/test_spec_eng
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
+from tests.reference_models import transformers_gguf_model
 from tpspec import LLM, SamplingParams
 from tpspec.bench.datasets import humaneval_prompts
 from tpspec.config import ModelArchConfig
@@ -45,12 +45,7 @@ def folder() -> str:
 def hf_model():
     """transformers' Gemma3ForCausalLM reading the GGUF file itself (its own dequantization and
     name mapping), in float32."""
-    import transformers
-
-    path = packaged_model_path(GEMMA)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    return transformers_gguf_model(packaged_model_path(GEMMA))
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +59,18 @@ def prompts(folder) -> dict[str, list[int]]:
     return {"short": short, "long": long[: WINDOW + 100]}
 
 
-def _our_logits(folder: str, ids: list[int], split: int, keep: int) -> torch.Tensor:
-    """Prefill the first ``split`` tokens in one step, the rest one per step; the logits of the
-    last ``keep`` positions: [keep, vocab]."""
+@pytest.fixture(scope="module")
+def our_model(folder):
+    """tpspec's Gemma 3 in float32 at TP 1, the model code alone (no engine)."""
     arch = ModelArchConfig.from_folder(folder)
     model = get_model_class(arch.architecture)(arch, torch.float32)
     model.load_weights(iterate_weights(folder, show_progress=False))
+    return model
+
+
+def _our_logits(model, ids: list[int], split: int, keep: int) -> torch.Tensor:
+    """Prefill the first ``split`` tokens in one step, the rest one per step; the logits of the
+    last ``keep`` positions: [keep, vocab]."""
     blocks = -(-len(ids) // BLOCK)
     caches = allocate_kv_cache(len(model.layers), (blocks + 1) * BLOCK, model.kv_cache_shape, torch.float32)
     table = list(range(blocks, 0, -1))  # paged, backwards
@@ -84,11 +85,11 @@ def _our_logits(folder: str, ids: list[int], split: int, keep: int) -> torch.Ten
         return model.compute_logits(torch.cat(rows)[-keep:])
 
 
-def test_logits_match_transformers_on_the_gguf(folder, hf_model, prompts):
+def test_logits_match_transformers_on_the_gguf(our_model, hf_model, prompts):
     # The long prompt's prefill runs past the window, and its last 8 tokens decode one by one there.
     for name, ids, split in (("short", prompts["short"], 3), ("long", prompts["long"], len(prompts["long"]) - 8)):
         keep = min(len(ids), 40)
-        ours = _our_logits(folder, ids, split, keep)
+        ours = _our_logits(our_model, ids, split, keep)
         with torch.no_grad():
             ref = hf_model(torch.tensor([ids]), logits_to_keep=keep).logits[0].float()
         assert ours.shape == ref.shape == (keep, VOCAB)

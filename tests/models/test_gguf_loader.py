@@ -15,6 +15,7 @@ from gguf.quants import quantize
 from safetensors.torch import load_file
 from tokenizers.pre_tokenizers import ByteLevel
 
+from tests.reference_models import transformers_gguf_model
 import tpspec.models.loader.gguf as gguf_loader
 from tpspec.default_model import default_model_path
 from tpspec.models.loader.gguf import convert_gguf
@@ -113,13 +114,6 @@ def write_tiny_gguf(
     return path
 
 
-def _transformers_gguf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    directory, filename = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, torch_dtype=torch.float32).eval()
-
-
 def _read_config(folder: str) -> dict:
     with open(os.path.join(folder, "config.json")) as f:
         return json.load(f)
@@ -147,7 +141,7 @@ def default_folder() -> str:
 
 @pytest.fixture(scope="module")
 def transformers_default_model():
-    return _transformers_gguf_model(default_model_path())
+    return transformers_gguf_model(default_model_path())
 
 
 def test_default_model_weights_equal_transformers(default_folder, transformers_default_model):
@@ -216,7 +210,7 @@ def test_tiny_model_matches_transformers(tmp_path, arch, tied):
 
     path = write_tiny_gguf(str(tmp_path / f"tiny-{arch}.gguf"), arch, tied=tied)
     folder = convert_gguf(path, cache_dir=str(tmp_path / "cache"))
-    reference = _transformers_gguf_model(path)
+    reference = transformers_gguf_model(path)
     _assert_same_weights(folder, reference)
 
     config = _read_config(folder)

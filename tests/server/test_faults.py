@@ -34,7 +34,8 @@ def _start(tiny_llama, log_path, *extra: str, env: dict | None = None) -> tuple[
     proc = ServerProcess([tiny_llama, "--served-model-name", "tiny", *ENGINE_FLAGS, *extra], str(log_path),
                          env={**ONE_THREAD, **(env or {})})
     proc.wait_ready()
-    workers = psutil.Process(proc.proc.pid).children(recursive=True)
+    # The server's child is its fork server (executor/fork_server.py); the workers are its children.
+    workers = [c for c in psutil.Process(proc.proc.pid).children(recursive=True) if c.ppid() != proc.proc.pid]
     assert len(workers) == 1, workers  # TP 2: one worker process
     return proc, workers
 

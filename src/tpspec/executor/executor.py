@@ -8,8 +8,8 @@ connection) or is seen by a watchdog thread (a local worker's exit, a node's lin
 reporting a dead rank); either way the engine raises ``EngineDeadError``. The watchdog also tells
 the ``on_death`` listeners at once, so an idle engine (an ``AsyncEngine`` waiting for requests)
 ends without waiting for the next step. A worker or node that fails while the TP group forms
-fails the start at once. Local workers die with the driver (PR_SET_PDEATHSIG), a node's workers
-with its agent, which exits when the head's link closes; all are joined or killed on shutdown,
+fails the start at once. Local workers die with the driver's process (through its fork server,
+``fork_server``), a node's workers with its agent, which exits when the head's link closes; all are joined or killed on shutdown,
 which also runs at interpreter exit.
 
 Between steps the workers wait for the driver's next message in a gloo broadcast, which gives
@@ -130,7 +130,7 @@ class Executor:
 
     @property
     def workers(self) -> list:
-        """This node's worker processes (``subprocess.Popen``)."""
+        """This node's worker processes (``multiprocessing.Process``)."""
         return self.local.procs if self.local is not None else []
 
     @property

@@ -1,22 +1,18 @@
-"""This node's TP worker processes: spawned, waited for, watched and stopped.
+"""This node's TP worker processes: started, waited for, watched and stopped.
 
-Workers are fresh interpreters (``python -m tpspec.executor.local_workers``) that read their
-arguments from stdin, so they never re-import the user's main module (a script without an
-``if __name__ == "__main__"`` guard works). Each joins the TP group, loads its shard and then
-runs whatever rank 0 broadcasts (``ModelRunner`` calls) until told to shut down. Workers die
-with the process that spawned them (PR_SET_PDEATHSIG): the engine's driver on the head node, the
-node agent (``tpspec serve --headless``) on the others.
+Workers are forks of this process's fork server (``fork_server``): started at once, never
+re-importing the user's main module, with the engine's environment. Each joins the TP group,
+loads its shard and then runs whatever rank 0 broadcasts (``ModelRunner`` calls) until told to
+shut down. Workers die with the fork server, and it with the process that started it: the
+engine's driver on the head node, the node agent (``tpspec serve --headless``) on the others.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import pickle
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,19 +24,12 @@ import torch
 from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import destroy_distributed, init_distributed
+from tpspec.executor.fork_server import ForkedProcess, fork_server
 from tpspec.worker.model_runner import ModelRunner
 
 
 class EngineDeadError(RuntimeError):
     """A TP worker died or a collective failed: the engine cannot continue."""
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        pass
 
 
 def rank_device(kind: str, config: EngineConfig, rank: int) -> torch.device:
@@ -68,11 +57,10 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def _worker_main(
-    rank: int, config: EngineConfig, device_kind: str, init_method: str, parent_pid: int, ready_fd: int
+    rank: int, config: EngineConfig, device_kind: str, init_method: str, environ: dict[str, str], ready_fd: int
 ) -> None:
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
-        os._exit(1)
+    os.environ.clear()  # the engine's environment, not the fork server's (taken when it started)
+    os.environ.update(environ)
     # Ctrl-C in a terminal reaches the whole process group. It is the parent's to handle (it shuts
     # the workers down, or kills them when the interrupt cut a step short); a worker quitting on
     # its own would leave mid-collective and race the driver's handling with a dead-worker error.
@@ -116,19 +104,15 @@ class LocalWorkers:
     def __init__(self, config: EngineConfig, device_kind: str, ranks: range, init_method: str) -> None:
         self.config = config
         self.ranks = list(ranks)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[ForkedProcess] = []
         self.stopping = False  # set by stop(): exits from then on are expected
         ready_r, ready_w = os.pipe()
         self._ready_fd = ready_r
         try:
+            server = fork_server()
             for rank in self.ranks:
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "tpspec.executor.local_workers"], stdin=subprocess.PIPE,
-                    pass_fds=(ready_w,),
-                )
-                self.procs.append(p)
-                p.stdin.write(pickle.dumps((rank, config, device_kind, init_method, os.getpid(), ready_w)))
-                p.stdin.close()
+                args = (rank, config, device_kind, init_method, dict(os.environ))
+                self.procs.append(server.start(_worker_main, args, fds=(ready_w,)))
         except BaseException:
             os.close(ready_r)
             self.stop(graceful=False)
@@ -142,8 +126,8 @@ class LocalWorkers:
     def check(self) -> None:
         """Raise ``EngineDeadError`` if a worker has exited."""
         for i, p in enumerate(self.procs):
-            if p.poll() is not None:
-                raise EngineDeadError(f"{self.describe(i)} exited with exit code {p.returncode}; see its log above")
+            if p.exitcode is not None:
+                raise EngineDeadError(f"{self.describe(i)} exited with exit code {p.exitcode}; see its log above")
 
     def wait_until_joining(self, timeout_s: float) -> None:
         """Wait until every worker is about to join the TP group (it writes a byte to the ready
@@ -160,8 +144,8 @@ class LocalWorkers:
                     if not data:  # every worker closed its end: some exited without reporting
                         time.sleep(0.01)
                 for i, p in enumerate(self.procs):
-                    if p.poll() is not None:
-                        raise EngineDeadError(f"{self.describe(i)} exited with exit code {p.returncode} before "
+                    if p.exitcode is not None:
+                        raise EngineDeadError(f"{self.describe(i)} exited with exit code {p.exitcode} before "
                                               "joining the TP group; see its log above")
                 if missing and time.monotonic() > deadline:
                     raise EngineDeadError(f"TP workers did not start within {timeout_s:g} s")
@@ -176,17 +160,7 @@ class LocalWorkers:
                              daemon=True).start()
 
     def _watch(self, i: int, on_death: Callable[[str], None]) -> None:
-        p = self.procs[i]
-        if hasattr(os, "waitid"):
-            # Wait without reaping: a thread blocked in p.wait() holds the Popen's lock, and at
-            # interpreter exit (daemon threads frozen) it would keep stop()'s p.wait() from returning.
-            try:
-                info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
-                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-            except ChildProcessError:  # already reaped by stop()
-                code = p.returncode
-        else:
-            code = p.wait()
+        code = self.procs[i].wait()
         if not self.stopping and code != 0:
             on_death(f"{self.describe(i)} died with exit code {code}")
 
@@ -196,16 +170,10 @@ class LocalWorkers:
         self.stopping = True
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
-            if graceful:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                    continue
-                except subprocess.TimeoutExpired:
-                    pass
+            if graceful and p.wait(max(0.0, deadline - time.monotonic())) is not None:
+                continue
             p.kill()  # out of step with us (or stuck): it cannot stop by itself
             p.wait()
-        return [p.returncode for p in self.procs]
-
-
-if __name__ == "__main__":
-    _worker_main(*pickle.load(sys.stdin.buffer))
+        for p in self.procs:
+            p.close()
+        return [p.exitcode for p in self.procs]

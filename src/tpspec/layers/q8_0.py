@@ -30,6 +30,8 @@ def quantize_exact(w: torch.Tensor) -> Q8_0Weight | None:
     q in -127..127, as llama.cpp rounds (d = max |w| / 127), else None."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
         return None
+    if w.shape[0] > 1 and quantize_exact(w[:1]) is None:  # one row refuses most other weights at once
+        return None
     out_features, in_features = w.shape
     groups = w.detach().view(out_features, in_features // GROUP, GROUP)
     d = (groups.abs().amax(-1) / Q_MAX).half()  # [out, groups]
