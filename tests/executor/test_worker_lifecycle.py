@@ -248,7 +248,8 @@ def test_interrupted_step_leaves_the_engine_dead_not_desynchronized(tiny_llama):
             _assert_gone(pids, timeout=1)
 
 
-# No `if __name__ == "__main__"` guard: workers are fresh interpreters, not re-imports of this.
+# No `if __name__ == "__main__"` guard: workers are forks of a fresh interpreter (the fork server),
+# which never imports this.
 _DRIVER = textwrap.dedent(
     """
     import signal

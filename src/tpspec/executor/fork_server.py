@@ -15,6 +15,7 @@ status to its requester (``ForkedProcess``).
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import pickle
 import select
@@ -99,7 +100,8 @@ class ForkServer:
     def start(self, target: Callable, args: tuple, fds: tuple[int, ...] = ()) -> ForkedProcess:
         """Fork a process that runs ``target(*args, *fds)``; ``target`` and ``args`` are pickled
         (``target`` by reference)."""
-        payload = pickle.dumps((target, args))
+        # The requester's sys.path first, on which the fork then finds ``target``'s module.
+        payload = pickle.dumps(sys.path) + pickle.dumps((target, args))
         status_r, status_w = os.pipe()
         try:
             with self._lock:
@@ -181,7 +183,9 @@ def _run_fork(sock: socket.socket, wakeup: tuple[int, int], payload: bytes, fds:
         die_with_parent()
         if os.getppid() != parent:  # the server exited before the death signal was armed
             os._exit(1)
-        target, args = pickle.loads(payload)
+        stream = io.BytesIO(payload)
+        sys.path[:] = pickle.load(stream)
+        target, args = pickle.load(stream)
         target(*args, *fds[3:])
         code = 0
     except SystemExit as e:
