@@ -123,11 +123,12 @@ def simulate(verify, params: SamplingParams, k: int, num_tokens: int, n: int,
                 d = q_logits.argmax(-1)
             drafts.append(d)
             prev = d
-        chain = [last] + drafts  # the token before each target row
-        # Request i verifies its first ks[i] drafts: rows chain[0 … ks[i]], request by request.
-        target = torch.cat([torch.stack([TARGET[c[i]] for c in chain[: ki + 1]]) for i, ki in enumerate(ks)])
-        draft_ids = torch.tensor([int(drafts[j][i]) for i, ki in enumerate(ks) for j in range(ki)], dtype=torch.int64)
-        q = torch.stack([dists[j][i] for i, ki in enumerate(ks) for j in range(ki)]) if dists and sum(ks) else None
+        chain = torch.stack([last] + drafts, 1)  # [n, max k + 1]: the token before each target row
+        # Request i verifies its first ks[i] drafts: rows chain[i, 0 … ks[i]], request by request.
+        verified = torch.arange(max(ks) + 1) <= torch.tensor(ks)[:, None]  # [n, max k + 1]
+        target = TARGET[chain[verified]]
+        draft_ids = chain[:, 1:][verified[:, 1:]]
+        q = torch.stack(dists, 1)[verified[:, 1:]] if dists and sum(ks) else None
         q_d = q.gather(1, draft_ids[:, None])[:, 0] if q is not None else None
         rows = sum(ks) + n
         counts = torch.tensor(ks) + 1
@@ -137,7 +138,7 @@ def simulate(verify, params: SamplingParams, k: int, num_tokens: int, n: int,
             top_p=torch.full((rows,), params.top_p),
             min_p=torch.full((rows,), params.min_p),
             seeds=seeds.repeat_interleave(counts),
-            positions=torch.cat([p + torch.arange(c) for p, c in zip(pos.tolist(), counts.tolist())]),
+            positions=pos.repeat_interleave(counts) + torch.arange(rows) - (counts.cumsum(0) - counts).repeat_interleave(counts),
             max_num_logprobs=None, all_greedy=params.is_greedy, all_random=not params.is_greedy,
             no_top_k_top_p_min_p=params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0,
         )
