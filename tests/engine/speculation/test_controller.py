@@ -12,7 +12,9 @@ import pytest
 
 from tpspec.config import SpeculativeConfig
 from tpspec.engine.speculation.acceptance import AcceptanceModel
-from tpspec.engine.speculation.controller import PROBE_BUDGET, PROBE_INTERVAL, PlanRequest, SpeculationLengthController
+from tpspec.engine.speculation.controller import (
+    MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, PlanRequest, SpeculationLengthController,
+)
 from tpspec.config.speculative_methods import get_method
 from tpspec.engine.speculation.step_time import PiecewiseLinear, StepTimeModel
 from tpspec.spec_decode.step_profile import profile_grid
@@ -107,6 +109,18 @@ def test_prefill_rows_do_not_make_drafts_pay():
     assert c.plan(decodes + [prefill], 204).num_verify == [0] * 5
     set_rates(c, "r0", [0.95] * 4, n=300)
     assert c.plan(decodes + [prefill], 204).num_verify[0] == 4
+
+
+def test_drafts_must_be_predicted_to_pay_by_a_margin():
+    """Near break-even the step-time model's error decides, and a wrong guess lengthens every
+    sequence's step: drafts predicted to gain less than MIN_SPEEDUP stay off."""
+    assert MIN_SPEEDUP == 1.05
+    for rate, drafts in ((0.13, False), (0.2, True)):  # one draft: +3.6 %, then +10 % predicted
+        c = controller("ngram", 4, model("ngram", lambda r: 1.0 + 0.1 * r, lambda r: 0.0))
+        set_rates(c, "r0", [rate] * 4, n=2000)
+        speedup = expected_rate(c, [req(0, 4)], [1], 1) / expected_rate(c, [req(0, 4)], [0], 1)
+        assert (speedup > MIN_SPEEDUP) == drafts and speedup > 1.0, speedup
+        assert (c.plan([req(0, 4)], 1).num_verify[0] > 0) == drafts
 
 
 def test_more_requests_fewer_drafts():

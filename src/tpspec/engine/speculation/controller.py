@@ -10,7 +10,8 @@ with E[accepted_i] from the per-position acceptance rates measured while serving
 verified next step. Draft j of request i adds Π_{m ≤ j} α_im tokens, which falls with j, so for a
 given total of D drafts the best split gives them out one at a time to the largest next gain;
 the controller scans D = 0, 1, … that way and keeps the D with the most tokens per second
-(D = 0, no speculation, when no draft pays). A step with prefill rows is long whatever k is,
+(D = 0, no speculation, when no draft pays, or when the best pays less than ``MIN_SPEEDUP``:
+near break-even the step-time model's error would decide). A step with prefill rows is long whatever k is,
 so against its own tokens per second every draft would look cheap: there it keeps the D that
 maximizes tokens − λ · seconds, λ the most tokens per second the same sequences make decoding.
 So that the rates of requests held at k = 0 keep being measured, every ``PROBE_INTERVAL``-th
@@ -47,6 +48,11 @@ from tpspec.engine.speculation.step_time import StepTimeModel
 PROBE_INTERVAL = 16  # steps between probe steps, and without drafts before a request is probed
 PROBE_BUDGET = 0.01  # the probes' share of the engine's time, by the step-time model
 MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not considered
+# Drafts are chosen only where the step-time model predicts at least this many times the tokens
+# per second of none: near break-even its error (several % on a noisy CPU) decides instead, and a
+# wrong guess makes every sequence's step longer (EAGLE-3 at 32 sequences on a Zen 4: 1 draft for a
+# third of the sequences, each step 1.11x plain's, 0.94x plain's throughput).
+MIN_SPEEDUP = 1.05
 
 
 @dataclass
@@ -181,11 +187,17 @@ class SpeculationLengthController:
                 heapq.heappush(heap, (-float(gains[i][ks[i]]), i))
         tokens_np, step_s = np.asarray(tokens), np.asarray(seconds[0])  # [drafts + 1] by drafts handed out
         if len(shapes) == 1:  # the step repeats as it is: the most tokens per second
-            best_drafts = int(np.argmax(tokens_np / step_s))
+            speed = tokens_np / step_s
+            best_drafts = int(np.argmax(speed))
+            worth = speed[best_drafts] >= MIN_SPEEDUP * speed[0]
         else:  # prefill rows make the step long whatever k is; beside them drafts would look cheap:
             # value a token at what the same sequences decoding make per second (λ) instead
             rate = float(np.max(tokens_np / np.asarray(seconds[1])))
-            best_drafts = int(np.argmax(tokens_np - rate * step_s))
+            value = tokens_np - rate * step_s
+            best_drafts = int(np.argmax(value))
+            worth = value[best_drafts] - value[0] >= (MIN_SPEEDUP - 1.0) * tokens_np[0]  # net of their time
+        if not worth:
+            best_drafts = 0
         ks = [0] * len(reqs)
         for i in order[:best_drafts]:
             ks[i] += 1
