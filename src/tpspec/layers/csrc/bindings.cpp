@@ -1,4 +1,6 @@
-// The Python module of tpspec's CPU kernels (tpspec.layers.cpu_kernels).
+// The Python module of tpspec's CPU kernels (tpspec.layers.cpu_kernels). Only this file includes
+// torch/extension.h (pybind11 and torch's Python API: ~30 s of compiling a file); the kernels
+// include ATen alone (~8 s), which halves the first build (87 s -> 48 s on a 2-core Zen 4).
 #include <torch/extension.h>
 
 #include <vector>

@@ -2,7 +2,7 @@
 // one call each: RMSNorm with its residual add, where PyTorch dispatches 5-10 ops (~20-30 us for a row
 // of 576), and attention of a few queries per sequence reading the paged KV cache in place, where
 // PyTorch gathers the keys first.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -33,19 +33,19 @@ static inline __m256 exp_nonpositive(__m256 x) {
 
 // x [N, D] (+ residual [N, D]) -> (s / sqrt(mean(s²) + eps) · weight, s) with s = x + residual
 // (s = x without one). D a multiple of 8.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
                                         double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [N, D]");
   const int64_t N = x.size(0), D = x.size(1);
   TORCH_CHECK(D % 8 == 0, "the width must be a multiple of 8");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == D, "weight: float32 [D]");
-  torch::Tensor sum = x;
+  at::Tensor sum = x;
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat && residual->is_contiguous(),
                 "residual: contiguous float32 like x");
-    sum = torch::empty_like(x);
+    sum = at::empty_like(x);
   }
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
@@ -81,8 +81,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 // the item's heads. d a multiple of 8.
 static constexpr int64_t MAX_HEADS = 4;
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                              at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [T, H, d]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kFloat
               && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -123,7 +123,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto chunks = chunk_heads(width);
   while (width > 1 && T * static_cast<int64_t>(chunks.size()) < 2 * at::get_num_threads()) chunks = chunk_heads(width /= 2);
   const int64_t C = chunks.size();
-  auto out = torch::empty({T, H * d}, q.options());
+  auto out = at::empty({T, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();

@@ -22,7 +22,7 @@
 // (high nibble) of output j. Q8_0: 512 bytes, 8 x 64: byte 4j + i of part c holds weight 4c + i of
 // output j, signed; with it Σ q over the group per output (int16), for vpdpbusd's unsigned x.
 // Scales d, mins m: float16 [blocks, groups, 16].
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -291,7 +291,7 @@ void blocks(const Operands& a, Isa isa, int64_t R, int64_t b0, int64_t b1) {
   else blocks_vnni<Q8, A15>(a, R, b0, b1);
 }
 
-torch::Tensor int8_dot_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                               const uint16_t* mins, const int16_t* qsum, int64_t O, int64_t bits, int64_t isa_code) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [R, I]");
   TORCH_CHECK(isa_code == AVX2 || isa_code == AVX512_VNNI, "isa: 0 (avx2) or 1 (avx512_vnni)");
@@ -311,7 +311,7 @@ torch::Tensor int8_dot_linear(const torch::Tensor& x, const torch::Tensor& qweig
   float* xsp = xdp + R * G;
   uint8_t* xqp = reinterpret_cast<uint8_t*>(xsp + R * G);
   uint8_t* xlp = a15 ? xqp + R * I : nullptr;
-  auto out = torch::empty({R, O}, x.options());
+  auto out = at::empty({R, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const bool offset = q8 && isa == AVX512_VNNI;
   at::parallel_for(0, R, 32, [&](int64_t r0, int64_t r1) { quantize_rows(xp, xqp, xlp, xdp, xsp, I, r0, r1, offset); });
@@ -330,7 +330,7 @@ torch::Tensor int8_dot_linear(const torch::Tensor& x, const torch::Tensor& qweig
 // x [R, I] float32, rounded to `bits` (8 or 15), times a Q4_1 weight of O outputs packed as above
 // (qweight [ceil(O / 16), I / 32 · 256] uint8, scales and mins [ceil(O / 16), I / 32, 16] float16)
 // -> [R, O] float32. isa: 0 avx2, 1 avx512_vnni (the caller checks the CPU has it).
-torch::Tensor q4_1_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+at::Tensor q4_1_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
                                int64_t out_features, int64_t bits, int64_t isa) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "qweight: uint8");
   TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
@@ -342,7 +342,7 @@ torch::Tensor q4_1_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Te
 // x [R, I] float32, rounded to `bits`, times a Q8_0 weight of O outputs packed as above (qweight
 // [ceil(O / 16), I / 32 · 512] int8, scales [ceil(O / 16), I / 32, 16] float16, qsums likewise int16)
 // -> [R, O] float32.
-torch::Tensor q8_0_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor qsums,
+at::Tensor q8_0_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor qsums,
                                int64_t out_features, int64_t bits, int64_t isa) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight: int8");
   TORCH_CHECK(qsums.scalar_type() == at::kShort && qsums.is_contiguous() && qsums.sizes() == scales.sizes(),

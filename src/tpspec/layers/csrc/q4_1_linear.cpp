@@ -11,7 +11,7 @@
 // The AVX-512 path reads two pairs (4 groups, 128 weights) as one 64-byte vector: after shift 4k its
 // 16 lanes are weights 8k .. 8k+7 of the first pair and of the second, so x is permuted once a call
 // into that lane order (`permute_x`), and the row's last pair and group take the AVX2 path.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -160,21 +160,21 @@ static void q4_1_block_wide(const float* xw, const uint8_t* qp, const uint16_t* 
 
 // x [R, I] float32, qweight [O, I / 2] uint8, scales and mins [O, I / 32] float16 -> [R, O] float32.
 // wide: take the AVX-512 path (the caller checks that the CPU has AVX-512 F, BW, VL and DQ).
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, bool wide) {
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, bool wide) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [R, I]");
   TORCH_CHECK(x.size(1) % 32 == 0 && qweight.size(1) * 2 == x.size(1), "x's width must be the weight's, a multiple of 32");
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight: contiguous uint8");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf && scales.is_contiguous()
               && mins.is_contiguous(), "scales, mins: contiguous float16");
   const int64_t R = x.size(0), I = x.size(1), O = qweight.size(0), G = I / 32;
-  auto out = torch::empty({R, O}, x.options());
+  auto out = at::empty({R, O}, x.options());
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  torch::Tensor xw = x;  // x in the lane order of the path taken
+  at::Tensor xw = x;  // x in the lane order of the path taken
   if (wide) {
-    xw = torch::empty_like(x);
+    xw = at::empty_like(x);
     permute_x(x.data_ptr<float>(), xw.data_ptr<float>(), R, I, G);
   }
   const float* xp = xw.data_ptr<float>();

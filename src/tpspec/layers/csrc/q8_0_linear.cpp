@@ -6,7 +6,7 @@
 // Each group is widened to float32 as d·q, which is exact (d·q needs at most 19 bits): out[r, o] is
 // the float32 dot product of row r of x with the float32 weights, summed in another order.
 // Layout: the q of a row in order, one byte each; one d per 32 of them.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -76,13 +76,13 @@ static void q8_0_block_wide(const float* xp, const int8_t* qp, const uint16_t* d
 
 // x [R, I] float32, qweight [O, I] int8, scales [O, I / 32] float16 -> [R, O] float32.
 // wide: take the AVX-512 path (the caller checks that the CPU has AVX-512 F, BW, VL and DQ).
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, bool wide) {
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, bool wide) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [R, I]");
   TORCH_CHECK(x.size(1) % 32 == 0 && qweight.size(1) == x.size(1), "x's width must be the weight's, a multiple of 32");
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "qweight: contiguous int8");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), "scales: contiguous float16");
   const int64_t R = x.size(0), I = x.size(1), O = qweight.size(0), G = I / 32;
-  auto out = torch::empty({R, O}, x.options());
+  auto out = at::empty({R, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
