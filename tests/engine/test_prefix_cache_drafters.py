@@ -18,7 +18,7 @@ SYSTEM = ("You are a careful Python assistant. Answer with short, correct code a
 QUESTION = "Write a function that returns the squares of a list of numbers."
 FOLLOW_UP = "Now make it skip negative numbers."
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-ENGINE = dict(max_model_len=512, block_size=16)
+ENGINE = dict(max_model_len=512, block_size=16, num_kv_blocks=256)
 
 
 def _chat(tok: Tokenizer, turns: list[dict]) -> list[int]:

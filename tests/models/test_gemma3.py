@@ -34,6 +34,7 @@ VOCAB = 262_144
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.2, seed=5, max_tokens=16, ignore_eos=True)
+ENGINE = dict(max_model_len=1024, num_kv_blocks=256)  # two prompts of up to 616 tokens, not 1 GiB to zero
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def _generate(folder: str, tp: int, prompts: dict[str, list[int]], params: Sampl
     """Both prompts in one batch, memoized per (tp, params)."""
     key = (tp, repr(params))
     if key not in _RUNS:
-        with LLM(folder, tensor_parallel_size=tp, max_model_len=1024) as llm:
+        with LLM(folder, tensor_parallel_size=tp, **ENGINE) as llm:
             for p in (GREEDY, SEEDED):
                 outs = llm.generate([prompts["short"], prompts["long"]], p, use_tqdm=False)
                 _RUNS[(tp, repr(p))] = [o.outputs[0].token_ids for o in outs]
@@ -148,7 +149,7 @@ def test_the_shipped_dflash_drafter_is_lossless(folder, prompts, flag):
     """``{"method": "dflash"}`` with no ``model`` on ``--model gemma-3-270m``: the drafter shipped
     for it (src/tpspec/drafters/gemma-3-270m-dflash), 15 drafts per step at TP 2, across the window."""
     spec = {"method": "dflash", "num_speculative_tokens": 15, "adaptive": False, "use_local_argmax_reduction": flag}
-    with LLM(GEMMA, tensor_parallel_size=2, max_model_len=1024, speculative_config=spec) as llm:
+    with LLM(GEMMA, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
         assert llm.llm_engine.config.speculative.model.endswith("gemma-3-270m-dflash")
         outs = llm.generate([prompts["short"], prompts["long"]], GREEDY, use_tqdm=False)
         stats = llm.get_stats()

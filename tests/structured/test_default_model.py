@@ -66,12 +66,13 @@ def _params(temperature: float) -> list[SamplingParams]:
             for n in QUESTIONS]
 
 
+ENGINE = dict(num_kv_blocks=256)  # 4,096 tokens: a few prompts of up to 160 tokens' answers, not 1 GiB to zero
 _PLAIN: dict[float, list] = {}
 
 
 def _plain(prompts, temperature: float):
     if temperature not in _PLAIN:
-        with LLM() as llm:
+        with LLM(**ENGINE) as llm:
             _PLAIN[temperature] = llm.generate(prompts, _params(temperature), use_tqdm=False)
     return _PLAIN[temperature]
 
@@ -88,7 +89,7 @@ def test_the_shipped_eagle3_head_drafts_under_the_grammar(prompts, tp, flag):
     """With the flag each shard masks its draft-vocabulary columns by their target ids; without,
     the gathered draft-vocabulary row is masked the same way (``Eagle3...greedy_tokens``)."""
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False, "use_local_argmax_reduction": flag}
-    with LLM(tensor_parallel_size=tp, speculative_config=spec) as llm:
+    with LLM(tensor_parallel_size=tp, speculative_config=spec, **ENGINE) as llm:
         outs = llm.generate(prompts, _params(0.0), use_tqdm=False)
         stats = llm.get_stats()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in _plain(prompts, 0.0)]
