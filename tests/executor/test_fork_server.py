@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -39,14 +40,15 @@ def _sleep() -> None:
 
 def _gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         try:
             if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                 return True
         except psutil.NoSuchProcess:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize(("target", "args", "code"), [(_return, (), 0), (_exit, (3,), 3), (_fail, (), 1)])
@@ -114,3 +116,14 @@ def test_the_server_outlives_the_thread_that_started_it_and_its_forks_die_with_i
     assert _gone(proc.pid, timeout=10)
     assert proc.wait(30) is not None
     assert not server.alive() and fork_server() is not server  # a new one on the next request
+
+
+def test_the_server_ends_before_the_process_that_started_it():
+    """At interpreter exit the server is stopped and waited for (after the engines' own shutdown):
+    once the process is gone, nothing it started is left, not even for a moment."""
+    script = "from tpspec.executor.fork_server import fork_server; print(fork_server().proc.pid, flush=True)"
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        server_pid = int(proc.stdout)
+        assert _gone(server_pid, timeout=0), server_pid

@@ -14,6 +14,7 @@ status to its requester (``ForkedProcess``).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import io
 import os
@@ -118,9 +119,25 @@ class ForkServer:
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.proc.poll() is None
 
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the server: it exits at the end of its connection (and its forks with it)."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
 
 _SERVER: ForkServer | None = None
 _SERVER_LOCK = threading.Lock()
+
+
+@atexit.register  # registered on import, before the executor's shutdown of live engines: runs after it
+def _close_at_exit() -> None:
+    """The server ends with this process, not a moment after it (nothing is left behind)."""
+    if _SERVER is not None and _SERVER.owner == os.getpid():
+        _SERVER.close()
 
 
 def fork_server() -> ForkServer:
