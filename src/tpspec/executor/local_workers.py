@@ -106,6 +106,7 @@ class LocalWorkers:
         self.ranks = list(ranks)
         self.procs: list[ForkedProcess] = []
         self.stopping = False  # set by stop(): exits from then on are expected
+        self._watchdogs: list[threading.Thread] = []
         ready_r, ready_w = os.pipe()
         self._ready_fd = ready_r
         try:
@@ -156,8 +157,10 @@ class LocalWorkers:
         """A watchdog thread per worker: ``on_death(reason)`` when one exits before ``stop`` with a
         failure (a worker exits 0 only once rank 0 broadcast the shutdown)."""
         for i in range(len(self.procs)):
-            threading.Thread(target=self._watch, args=(i, on_death), name=f"tpspec-watchdog-{self.ranks[i]}",
-                             daemon=True).start()
+            t = threading.Thread(target=self._watch, args=(i, on_death), name=f"tpspec-watchdog-{self.ranks[i]}",
+                                 daemon=True)
+            t.start()
+            self._watchdogs.append(t)
 
     def _watch(self, i: int, on_death: Callable[[str], None]) -> None:
         code = self.procs[i].wait()
@@ -174,6 +177,9 @@ class LocalWorkers:
                 continue
             p.kill()  # out of step with us (or stuck): it cannot stop by itself
             p.wait()
+        for t in self._watchdogs:  # they return once their worker exited: before its status pipe closes
+            if t is not threading.current_thread():
+                t.join(timeout=1.0)
         for p in self.procs:
             p.close()
         return [p.exitcode for p in self.procs]
