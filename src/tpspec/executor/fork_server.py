@@ -85,6 +85,8 @@ class ForkedProcess:
 
 
 class ForkServer:
+    """The requester's side: the server process and the connection forks are requested on."""
+
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -234,7 +236,10 @@ def _serve(sock: socket.socket) -> None:
                     break
                 fd = status_fds.pop(pid, None)
                 if fd is not None:
-                    os.write(fd, _INT.pack(os.waitstatus_to_exitcode(status)))
+                    try:
+                        os.write(fd, _INT.pack(os.waitstatus_to_exitcode(status)))
+                    except BrokenPipeError:  # its requester stopped listening: nobody to tell
+                        pass
                     os.close(fd)
         if sock in readable:
             header, fds, _, _ = socket.recv_fds(sock, _INT.size, _MAX_FDS)
