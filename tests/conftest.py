@@ -20,13 +20,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 LONGEST_FILES = (
     "tests/models/test_gemma3.py",
     "tests/spec_decode/test_spec_engine.py",
-    "tests/spec_decode/test_rejection_sampler.py",
-    "tests/spec_decode/test_shipped_drafters.py",
     "tests/engine/speculation/test_speculation_length.py",
-    "tests/distributed/test_tp_generation.py",
-    "tests/distributed/test_sharding_invariance.py",
+    "tests/spec_decode/test_shipped_drafters.py",
+    "tests/structured/test_default_model.py",
     "tests/engine/test_reference_generation.py",
-    "tests/spec_decode/test_vocab_parallel_rejection.py",
+    "tests/train/test_train_draft.py",
+    "tests/models/test_gguf_loader.py",
+    "tests/engine/test_prefix_cache_drafters.py",
+    "tests/distributed/test_tp_generation.py",
 )
 
 
