@@ -1,10 +1,10 @@
 """An asyncio front for ``LLMEngine``: one background thread owns the engine and steps it.
 
 The engine is not thread-safe, so every engine call, creation included, happens on one
-long-lived thread. Callers on any event loop hand requests, aborts and stats queries to that thread through
-a thread-safe queue; the thread applies them between steps and feeds each request's outputs into
-that request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. With nothing to run, the
-thread blocks on the queue (no spinning).
+long-lived thread. Callers on any event loop hand requests, aborts and stats queries to that
+thread through a thread-safe queue; the thread applies them between steps and feeds each
+request's outputs into that request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. With
+nothing to run, the thread blocks on the queue (no spinning).
 
 If a step fails (``EngineDeadError`` from a dead TP worker, or anything else: the engine's state
 can no longer be trusted), every in-flight request gets the error, new requests are refused with

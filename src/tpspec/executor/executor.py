@@ -9,8 +9,8 @@ reporting a dead rank); either way the engine raises ``EngineDeadError``. The wa
 the ``on_death`` listeners at once, so an idle engine (an ``AsyncEngine`` waiting for requests)
 ends without waiting for the next step. A worker or node that fails while the TP group forms
 fails the start at once. Local workers die with the driver's process (through its fork server,
-``fork_server``), a node's workers with its agent, which exits when the head's link closes; all are joined or killed on shutdown,
-which also runs at interpreter exit.
+``fork_server``), a node's workers with its agent, which exits when the head's link closes; all
+are joined or killed on shutdown, which also runs at interpreter exit.
 
 Between steps the workers wait for the driver's next message in a gloo broadcast, which gives
 up after ``worker_timeout_s``; so that an idle engine (a server without requests) keeps its
@@ -130,7 +130,7 @@ class Executor:
 
     @property
     def workers(self) -> list:
-        """This node's worker processes (``multiprocessing.Process``)."""
+        """This node's worker processes (``fork_server.ForkedProcess``)."""
         return self.local.procs if self.local is not None else []
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib
 import io
 import os
 import pickle
@@ -218,8 +219,6 @@ def _run_fork(sock: socket.socket, wakeup: tuple[int, int], payload: bytes, fds:
 
 
 def _serve(sock: socket.socket) -> None:
-    import importlib
-
     importlib.import_module(_PRELOAD)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
