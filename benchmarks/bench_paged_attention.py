@@ -4,16 +4,25 @@ PyTorch's path (gathered keys, SDPA or two batched matmuls), same inputs, per nu
 context length and new tokens per sequence (float32 steps take the kernel whatever their length,
 so that a query's output depends on its own keys alone). The default model's attention shape (9 heads, 3 KV heads, head size
 64), float32, each sequence's blocks scattered; median of ``--repeats`` timings of ``--calls``
-calls each.
+calls each. ``--layers N`` cycles through N layers' caches, as a forward does (with 30, a
+sequence's keys are no longer in the CPU's caches when its next call comes).
+
+``--baseline-commit REV`` also builds the kernel as it was at REV (its ``decode_ops.cpp``, from
+git) and times it in the same run on the same inputs (the kernel call alone, both): how a change
+to the kernel moved it, free of the drift between runs.
 
   python3 benchmarks/bench_paged_attention.py --result-file benchmarks/results/paged_attention_avx2.json
+  python3 benchmarks/bench_paged_attention.py --layers 30 --baseline-commit HEAD~1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -32,19 +41,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--query-lens", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=1, help="layers' caches cycled through (30: cold, as in a forward)")
+    p.add_argument("--baseline-commit", default=None, help="also time the kernel as it was at this commit")
     p.add_argument("--result-file", default=None)
     return p.parse_args(argv)
 
 
-def time_calls(attn, inputs, md, calls: int, repeats: int) -> float:
-    """Median seconds a call."""
-    for _ in range(5):
-        attn(*inputs, md)
+BASELINE_BINDING = """#include <torch/extension.h>
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }
+"""
+
+
+def build_baseline(rev: str):
+    """The paged-attention kernel of commit ``rev``, built as a module of its own."""
+    from torch.utils.cpp_extension import load
+
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    folder = tempfile.mkdtemp(prefix="paged_attention_baseline_")
+    for name in ("decode_ops.cpp", "vector_sum.h"):
+        text = subprocess.run(["git", "show", f"{rev}:src/tpspec/layers/csrc/{name}"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(folder, "binding.cpp"), "w") as f:
+        f.write(BASELINE_BINDING)
+    sources = [os.path.join(folder, n) for n in ("decode_ops.cpp", "binding.cpp")]
+    return load(name="paged_attention_baseline", sources=sources, build_directory=folder, verbose=False,
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
+def time_calls(call, layers: int, calls: int, repeats: int) -> float:
+    """Median seconds a call; ``call(layer)`` runs one on that layer's cache."""
+    for layer in range(max(5, layers)):
+        call(layer % layers)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for _ in range(calls):
-            attn(*inputs, md)
+        for i in range(calls):
+            call(i % layers)
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
@@ -55,34 +91,54 @@ def main(argv=None) -> int:
     if reason:
         raise SystemExit(f"tpspec's CPU kernels are unavailable here: {reason}")
     module = cpu_kernels.kernels()
+    baseline = build_baseline(args.baseline_commit) if args.baseline_commit else None
     attn = Attention(9, 3, 64, torch.arange(9) // 3)
     rows = []
-    print("| Seqs | Context | New tokens a seq | Kernel (us) | PyTorch (us) | PyTorch / kernel | Max difference |")
-    print("|---|---|---|---|---|---|---|")
+    extra = " Kernel call (us) | Baseline call (us) | Baseline / kernel |" if baseline else ""
+    print(f"| Seqs | Context | New tokens a seq | Kernel (us) | PyTorch (us) | PyTorch / kernel | Max difference |{extra}")
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if baseline else ""))
     with torch.inference_mode():
         for seqs in args.seqs:
             for ctx in args.contexts:
                 blocks = -(-ctx // BLOCK)
-                cache = (torch.randn(seqs * blocks * BLOCK, 3, 64), torch.randn(seqs * blocks * BLOCK, 3, 64))
+                caches = [(torch.randn(seqs * blocks * BLOCK, 3, 64), torch.randn(seqs * blocks * BLOCK, 3, 64))
+                          for _ in range(args.layers)]
                 tables = [list(range(s * blocks, (s + 1) * blocks))[::-1] for s in range(seqs)]  # scattered
                 for q_len in args.query_lens:
                     md = AttentionMetadata.build([q_len] * seqs, [ctx] * seqs, tables, BLOCK, torch.device("cpu"))
                     n = q_len * seqs
-                    inputs = (torch.randn(n, 9, 64), torch.randn(n, 3, 64), torch.randn(n, 3, 64), cache)
+                    q, k, v = torch.randn(n, 9, 64), torch.randn(n, 3, 64), torch.randn(n, 3, 64)
                     cpu_kernels._MODULE = module
-                    kernel_s = time_calls(attn, inputs, md, args.calls, args.repeats)
-                    kernel_out = attn(*inputs, md)
+                    kernel_s = time_calls(lambda i: attn(q, k, v, caches[i], md), args.layers, args.calls, args.repeats)
+                    kernel_out = attn(q, k, v, caches[0], md)
                     cpu_kernels._MODULE = None  # PyTorch's path
-                    torch_s = time_calls(attn, inputs, md, args.calls, args.repeats)
-                    diff = (attn(*inputs, md) - kernel_out).abs().max().item()
+                    torch_s = time_calls(lambda i: attn(q, k, v, caches[i], md), args.layers, args.calls, args.repeats)
+                    diff = (attn(q, k, v, caches[0], md) - kernel_out).abs().max().item()
                     cpu_kernels._MODULE = module
-                    rows.append(dict(seqs=seqs, context=ctx, query_len=q_len, kernel_us=kernel_s * 1e6,
-                                     torch_us=torch_s * 1e6, max_diff=diff))
-                    print(f"| {seqs} | {ctx} | {q_len} | {kernel_s * 1e6:.1f} | {torch_s * 1e6:.1f} | "
-                          f"{torch_s / kernel_s:.2f} | {diff:.1e} |")
+                    row = dict(seqs=seqs, context=ctx, query_len=q_len, kernel_us=kernel_s * 1e6,
+                               torch_us=torch_s * 1e6, max_diff=diff)
+                    line = (f"| {seqs} | {ctx} | {q_len} | {kernel_s * 1e6:.1f} | {torch_s * 1e6:.1f} | "
+                            f"{torch_s / kernel_s:.2f} | {diff:.1e} |")
+                    if baseline:  # the two kernels alone, alternating rounds, on the same inputs
+                        key_range = md.key_range(None)
+
+                        def kernel_call(mod):
+                            return lambda i: mod.paged_attention(q, *caches[i], md.context_slots, md.token_seq,
+                                                                 key_range, attn.kv_head_of_head, attn.scale)
+
+                        new_s, old_s = [], []
+                        for _ in range(2):
+                            new_s.append(time_calls(kernel_call(module), args.layers, args.calls, args.repeats))
+                            old_s.append(time_calls(kernel_call(baseline), args.layers, args.calls, args.repeats))
+                        new_us, old_us = statistics.median(new_s) * 1e6, statistics.median(old_s) * 1e6
+                        row.update(kernel_call_us=new_us, baseline_call_us=old_us)
+                        line += f" {new_us:.1f} | {old_us:.1f} | {old_us / new_us:.2f} |"
+                    rows.append(row)
+                    print(line)
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({"machine": machine_info(), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine_info(), "layers": args.layers, "baseline_commit": args.baseline_commit,
+                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -110,6 +110,40 @@ def test_paged_attention_reads_only_each_querys_key_range():
     assert torch.equal(out[5], torch.zeros(64))
 
 
+@pytest.mark.parametrize("window", [None, 13])
+def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(window):
+    """A query's output depends on its own q, key range and keys only: alone, inside one sequence's run
+    of up to 7 queries (a verification, a prefill chunk: the kernel scores a run's queries together,
+    each key loaded once for all of them) or beside other sequences, its bits are the same (a max or
+    sum shared across the run would keep the values within rounding and change the bits). With a
+    window the queries of a run start at different keys."""
+    g = torch.Generator().manual_seed(1)
+    length, d = 70, 64
+    k_cache, v_cache = torch.randn(2, 200, 3, d, generator=g)
+    slots = torch.randperm(200, generator=g)[: 2 * length].view(2, length)
+    kv_head = torch.arange(9) // 3
+    q = torch.randn(7, 9, d, generator=g)
+    ends = list(range(length - 6, length + 1))  # a causal run of 7 queries of sequence 0
+    key_range = torch.tensor([[0 if window is None else max(0, e - window), e] for e in ends])
+
+    def run(rows: list[int], other_sequence: bool) -> torch.Tensor:
+        qs, ranges, seqs = q[rows], key_range[rows], torch.zeros(len(rows), dtype=torch.int64)
+        if other_sequence:  # a decode of sequence 1 in front
+            qs = torch.cat([q[:1] * 0.5, qs])
+            ranges = torch.cat([torch.tensor([[0, 40]]), ranges])
+            seqs = torch.cat([torch.tensor([1]), seqs])
+        out = cpu_kernels.kernels().paged_attention(qs.contiguous(), k_cache, v_cache, slots, seqs, ranges, kv_head, 0.125)
+        return out[int(other_sequence):]
+
+    together = run(list(range(7)), False)
+    torch.testing.assert_close(together, _reference(q, k_cache, v_cache, slots, torch.zeros(7, dtype=torch.int64),
+                                                    key_range, kv_head, 0.125), rtol=1e-5, atol=1e-5)
+    for t in range(7):
+        assert torch.equal(run([t], False)[0], together[t])
+        assert torch.equal(run([t], True)[0], together[t])
+    assert torch.equal(run([2, 3, 4], True), together[2:5])
+
+
 @pytest.mark.parametrize("slots,token_seq,key_range,message", [
     ([[3, 8]], [0], [[0, 2]], "a slot outside the cache"),
     ([[3, 4]], [1], [[0, 2]], "a query of a sequence outside slots"),

@@ -77,9 +77,16 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
 // s's keys; token_seq [T] int64, the row of slots each query reads; key_range [T, 2] int64, the
 // first and one-past-last of those keys it attends to (a causal query: 0 and its position + 1);
 // kv_head [H] int64, the KV head each query head reads. -> softmax(q·kᵀ·scale)·v as [T, H · d].
-// Work items are (query, up to MAX_HEADS query heads of one KV head): each key is loaded once for
-// the item's heads. d a multiple of 8.
+//
+// Work items are (a run of consecutive queries of one sequence, up to MAX_HEADS query heads of one
+// KV head): a verification's k + 1 queries or a prefill chunk's read each key of the run's span once
+// from memory for all of the item's query vectors (at most MAX_VECS), not once per query.
+// A query's result depends on its own q, key range and keys alone, never on which queries share its
+// item (batch invariance): each score is the same dot product whatever block its key falls in, its
+// max and sum are its own (8 lanes by key index; its blocks' keys outside its range add exact
+// zeros), and its output sums its own keys in order. d a multiple of 8.
 static constexpr int64_t MAX_HEADS = 4;
+static constexpr int64_t MAX_VECS = 16;  // query vectors (queries × heads) of one work item
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                               at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
@@ -105,23 +112,33 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     TORCH_CHECK(tsp[t] >= 0 && tsp[t] < S, "a query of a sequence outside slots");
     TORCH_CHECK(kr[2 * t] >= 0 && kr[2 * t] <= kr[2 * t + 1] && kr[2 * t + 1] <= L, "a key range outside [0, L]");
   }
-  // Query heads by KV head, in chunks of at most MAX_HEADS, halved while there are fewer work items
-  // than twice the threads (one sequence's decode: 3 KV heads on 2 threads).
+  // Query heads by KV head, in chunks of at most MAX_HEADS; runs of consecutive queries of one
+  // sequence, as many as fit MAX_VECS with the widest chunk. Chunks are halved while there are fewer
+  // work items than twice the threads (one sequence's decode: 3 KV heads on 2 threads).
   std::vector<std::vector<int64_t>> by_kv(KVH);
   for (int64_t h = 0; h < H; ++h) {
     TORCH_CHECK(hp[h] >= 0 && hp[h] < KVH, "a KV head outside the cache");
     by_kv[hp[h]].push_back(h);
   }
-  int64_t width = MAX_HEADS;
-  auto chunk_heads = [&](int64_t w) {
-    std::vector<std::vector<int64_t>> chunks;
+  std::vector<std::vector<int64_t>> chunks;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first query, one past the last)
+  auto plan = [&](int64_t w) {
+    chunks.clear();
+    runs.clear();
+    int64_t widest = 1;
     for (const auto& heads : by_kv)
-      for (size_t i = 0; i < heads.size(); i += w)
+      for (size_t i = 0; i < heads.size(); i += w) {
         chunks.emplace_back(heads.begin() + i, heads.begin() + std::min(heads.size(), i + w));
-    return chunks;
+        widest = std::max<int64_t>(widest, chunks.back().size());
+      }
+    const int64_t most = std::max<int64_t>(1, MAX_VECS / widest);
+    for (int64_t t = 0; t < T; ++t)
+      if (t == 0 || tsp[t] != tsp[t - 1] || t - runs.back().first == most) runs.emplace_back(t, t + 1);
+      else runs.back().second = t + 1;
   };
-  auto chunks = chunk_heads(width);
-  while (width > 1 && T * static_cast<int64_t>(chunks.size()) < 2 * at::get_num_threads()) chunks = chunk_heads(width /= 2);
+  int64_t width = MAX_HEADS;
+  plan(width);
+  while (width > 1 && static_cast<int64_t>(runs.size() * chunks.size()) < 2 * at::get_num_threads()) plan(width /= 2);
   const int64_t C = chunks.size();
   auto out = at::empty({T, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -129,102 +146,119 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t row = KVH * d;  // a slot's floats
-  at::parallel_for(0, T * C, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(MAX_HEADS * L);  // per head of the item: scores, then probabilities
+  const int64_t span_max = (L + 7) / 8 * 8 + 8;  // floats of one query vector's scores
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * C, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p(MAX_VECS * span_max);  // per query vector: scores, then probabilities
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t t = b / C;
+      const auto [t0, t1] = runs[b / C];
       const std::vector<int64_t>& heads = chunks[b % C];
-      const int64_t G = heads.size(), first = kr[2 * t], n = kr[2 * t + 1] - first;
+      const int64_t G = heads.size(), M = (t1 - t0) * G;
       const int64_t off = hp[heads[0]] * d;  // the KV head's floats within a slot
-      const int64_t* ss = sp + tsp[t] * L + first;
-      float* out_t = op + t * H * d;
-      if (n == 0) {  // no key: zeros
-        for (int64_t j = 0; j < G; ++j) std::fill(out_t + heads[j] * d, out_t + (heads[j] + 1) * d, 0.f);
-        continue;
+      const int64_t* ss = sp + tsp[t0] * L;  // the run's sequence's slots
+      // Query vector m = (query t0 + m / G, head heads[m % G]); its keys [lo[m], hi[m]); its 8-key
+      // blocks [blo[m], bhi[m]) counted from key 0. The run's span: blocks [base, top).
+      const float* qh[MAX_VECS];
+      int64_t lo[MAX_VECS], hi[MAX_VECS], blo[MAX_VECS], bhi[MAX_VECS];
+      int64_t base = std::numeric_limits<int64_t>::max(), top = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t t = t0 + m / G;
+        qh[m] = qp + (t * H + heads[m % G]) * d;
+        lo[m] = kr[2 * t];
+        hi[m] = kr[2 * t + 1];
+        blo[m] = lo[m] / 8;
+        bhi[m] = (hi[m] + 7) / 8;
+        if (hi[m] > lo[m]) {
+          base = std::min(base, blo[m]);
+          top = std::max(top, bhi[m]);
+        } else {  // no key: zeros
+          float* o = op + t * H * d + heads[m % G] * d;
+          std::fill(o, o + d, 0.f);
+        }
       }
-      const float* qh[MAX_HEADS];
-      float mx[MAX_HEADS];
-      __m256 mx8[MAX_HEADS];
-      for (int64_t j = 0; j < G; ++j) {
-        qh[j] = qp + (t * H + heads[j]) * d;
-        mx[j] = -std::numeric_limits<float>::infinity();
-        mx8[j] = _mm256_set1_ps(mx[j]);
-      }
-      // Scores of 8 keys at a time per head: 8 dot products reduced into one vector.
-      int64_t tail = 0;  // the first key past the 8-key blocks
-      for (; tail + 8 <= n; tail += 8) {
-        const int64_t u = tail;
+      if (top == 0) continue;
+      const int64_t span_end = *std::max_element(hi, hi + M);  // one past the last key any of them reads
+      // Query vector m's score of key u: p[m · span_max + u − 8 · base].
+      // Scores, 8 keys at a time for every query vector whose range meets the block: each key is
+      // loaded from memory once per work item.
+      __m256 mx8[MAX_VECS];
+      for (int64_t m = 0; m < M; ++m) mx8[m] = _mm256_set1_ps(neg_inf);
+      for (int64_t blk = base; blk < top; ++blk) {
+        const int64_t u = blk * 8;
         const float* kt[8];
-        for (int e = 0; e < 8; ++e) kt[e] = kp + ss[u + e] * row + off;
-        for (int64_t j = 0; j < G; ++j) {
+        for (int e = 0; e < 8; ++e) kt[e] = kp + ss[std::min(u + e, span_end - 1)] * row + off;  // past the span: a repeat, masked
+        for (int64_t m = 0; m < M; ++m) {
+          if (blk < blo[m] || blk >= bhi[m] || hi[m] == lo[m]) continue;
           __m256 a[8];
           for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
           for (int64_t i = 0; i < d; i += 8) {
-            const __m256 qv = _mm256_loadu_ps(qh[j] + i);
+            const __m256 qv = _mm256_loadu_ps(qh[m] + i);
             for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[e] + i), qv, a[e]);
           }
           const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
           const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
           const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
           // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of s0123, the same for k4..k7 in s4567
-          const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-          const __m256 scores = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(sc));
-          _mm256_storeu_ps(p.data() + j * L + u, scores);
-          mx8[j] = _mm256_max_ps(mx8[j], scores);
+          const __m256 lo4 = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi4 = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+          float* pm = p.data() + m * span_max + (u - 8 * base);
+          _mm256_storeu_ps(pm, _mm256_mul_ps(_mm256_add_ps(lo4, hi4), _mm256_set1_ps(sc)));
+          if (u < lo[m] || u + 8 > hi[m])  // an edge block: keys outside the query's range count as -inf
+            for (int e = 0; e < 8; ++e)
+              if (u + e < lo[m] || u + e >= hi[m]) pm[e] = neg_inf;
+          mx8[m] = _mm256_max_ps(mx8[m], _mm256_loadu_ps(pm));
         }
       }
-      for (int64_t j = 0; j < G; ++j) {
+      for (int64_t m = 0; m < M; ++m) {
+        if (hi[m] == lo[m]) continue;
         float lanes[8];
-        _mm256_storeu_ps(lanes, mx8[j]);
-        for (int e = 0; e < 8; ++e) mx[j] = std::max(mx[j], lanes[e]);
-      }
-      for (int64_t u = tail; u < n; ++u) {
-        const float* kt = kp + ss[u] * row + off;
-        for (int64_t j = 0; j < G; ++j) {
-          __m256 a0 = _mm256_setzero_ps();
-          for (int64_t i = 0; i < d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), _mm256_loadu_ps(qh[j] + i), a0);
-          const float score = hsum(a0) * sc;
-          p[j * L + u] = score;
-          mx[j] = std::max(mx[j], score);
-        }
-      }
-      __m256 inv[MAX_HEADS];
-      for (int64_t j = 0; j < G; ++j) {
-        float* pj = p.data() + j * L;
-        const __m256 vmx = _mm256_set1_ps(mx[j]);
+        _mm256_storeu_ps(lanes, mx8[m]);
+        float mx = lanes[0];
+        for (int e = 1; e < 8; ++e) mx = std::max(mx, lanes[e]);
+        // Probabilities over the query's own blocks (8 lanes from key 0: its masked keys add zeros).
+        float* pm = p.data() + m * span_max;  // key u at pm[u − 8 · base]
+        const __m256 vmx = _mm256_set1_ps(mx);
         __m256 tot = _mm256_setzero_ps();
-        int64_t u = 0;
-        for (; u + 8 <= n; u += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pj + u), vmx));
-          _mm256_storeu_ps(pj + u, e);
+        for (int64_t j = (blo[m] - base) * 8; j < (bhi[m] - base) * 8; j += 8) {
+          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pm + j), vmx));
+          _mm256_storeu_ps(pm + j, e);
           tot = _mm256_add_ps(tot, e);
         }
-        float total = hsum(tot);
-        for (; u < n; ++u) {
-          pj[u] = std::exp(pj[u] - mx[j]);
-          total += pj[u];
-        }
-        inv[j] = _mm256_set1_ps(1.f / total);  // total >= 1: the largest score's term is 1
-      }
-      // Each head's output 64 columns (8 vectors) at a time, over every key.
-      for (int64_t j = 0; j < G; ++j) {
-        const float* pj = p.data() + j * L;
-        for (int64_t i = 0; i < d; i += 64) {
-          const int64_t w = std::min<int64_t>(8, (d - i) / 8);  // vectors in this block
-          __m256 c[8];
-          for (int e = 0; e < 8; ++e) c[e] = _mm256_setzero_ps();
-          for (int64_t u = 0; u < n; ++u) {
+        const __m256 inv = _mm256_set1_ps(1.f / hsum(tot));  // >= 1: the largest score's term is 1
+        // The output over the query's keys in order, 64 columns at a time in 8 accumulators the
+        // compiler keeps in registers (an array indexed by a run-time count of vectors it spills).
+        float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
+        const float* pu = pm - 8 * base;  // probability of key u at pu[u]
+        const int64_t whole = d / 64 * 64;
+        for (int64_t i = 0; i < whole; i += 64) {
+          __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+          for (int64_t u = lo[m]; u < hi[m]; ++u) {
             const float* vt = vp + ss[u] * row + off + i;
-            const __m256 wt = _mm256_set1_ps(pj[u]);
-            if (w == 8) {
-              for (int e = 0; e < 8; ++e) c[e] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * e), c[e]);
-            } else {
-              for (int e = 0; e < w; ++e) c[e] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * e), c[e]);
-            }
+            const __m256 wt = _mm256_broadcast_ss(pu + u);
+            c0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), c0);
+            c1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), c1);
+            c2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), c2);
+            c3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), c3);
+            c4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), c4);
+            c5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), c5);
+            c6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), c6);
+            c7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), c7);
           }
-          float* oj = out_t + heads[j] * d + i;
-          for (int e = 0; e < w; ++e) _mm256_storeu_ps(oj + 8 * e, _mm256_mul_ps(c[e], inv[j]));
+          float* oi = o + i;
+          _mm256_storeu_ps(oi, _mm256_mul_ps(c0, inv));
+          _mm256_storeu_ps(oi + 8, _mm256_mul_ps(c1, inv));
+          _mm256_storeu_ps(oi + 16, _mm256_mul_ps(c2, inv));
+          _mm256_storeu_ps(oi + 24, _mm256_mul_ps(c3, inv));
+          _mm256_storeu_ps(oi + 32, _mm256_mul_ps(c4, inv));
+          _mm256_storeu_ps(oi + 40, _mm256_mul_ps(c5, inv));
+          _mm256_storeu_ps(oi + 48, _mm256_mul_ps(c6, inv));
+          _mm256_storeu_ps(oi + 56, _mm256_mul_ps(c7, inv));
+        }
+        for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
+          __m256 c = _mm256_setzero_ps();
+          for (int64_t u = lo[m]; u < hi[m]; ++u)
+            c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), _mm256_loadu_ps(vp + ss[u] * row + off + i), c);
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(c, inv));
         }
       }
     }
