@@ -132,18 +132,49 @@ def test_blocks_wait_for_the_drafter_before_they_are_registered():
     assert manager.num_cached_blocks == 4
 
 
+def test_blocks_without_drafter_kv_start_a_takers_drafter_context_after_them():
+    """A held request's drafter let its first 8 positions go (``drafter_start`` 8): its blocks 0
+    and 1 are registered without drafter KV. A taker of them starts its drafter context after the
+    last such block it takes; a later request that computed the same blocks with drafter KV takes
+    their place in the cache."""
+    manager = BlockManager(16, BS, enable_caching=True)
+    tokens = list(range(100, 117))
+    held = _request("held", tokens)
+    manager.allocate(held, 17)
+    held.num_computed_tokens, held.drafter_start = 17, 8
+    manager.cache_blocks(held, 16)
+    assert manager.num_cached_blocks == 4
+    taker = _request("taker", tokens)
+    assert manager.take_cached(taker) == 16 and taker.drafter_start == 8
+    short = _request("short", tokens[:6] + [1, 2, 3])
+    assert manager.take_cached(short) == 4 and short.drafter_start == 4
+    partial = _request("partial", tokens[:8] + [1, 2, 3])
+    assert manager.take_cached(partial) == 8 and partial.drafter_start == 8
+    full = _request("full", tokens)  # computed itself (nothing taken), its drafter KV written throughout
+    manager.allocate(full, 17)
+    full.num_computed_tokens = 17
+    manager.cache_blocks(full, 16)
+    assert manager.num_cached_blocks == 4
+    fresh = _request("fresh", tokens)
+    assert manager.take_cached(fresh) == 16 and fresh.drafter_start == 0
+    assert fresh.block_ids[:2] == full.block_ids[:2] and fresh.block_ids[2:] == held.block_ids[2:4]
+    for req in (held, taker, short, partial, full, fresh):
+        manager.free(req)
+    assert manager.num_free_blocks == 16 and manager.num_cached_blocks == 4
+
+
 def _scheduler(num_blocks: int, **config) -> Scheduler:
     config = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_model_len": 64, "max_num_seqs": 8, **config})
     return Scheduler(config, BlockManager(num_blocks, BS, enable_caching=True))
 
 
-def _step(sched: Scheduler, lag: int = 0):
+def _step(sched: Scheduler, lag: int = 0, drafter_start: int = 0):
     """One step; returns the scheduler's output and what it told the ranks."""
     out = sched.schedule()
     n = len(out.requests)
     step = out.step_input([0] * n, [0] * n)
     sampled = [[5] if out.samples(i) else [] for i in range(n)]
-    sched.update(out, StepOutput(sampled, [None] * n, [0] * n, [0] * n, [lag] * n))
+    sched.update(out, StepOutput(sampled, [None] * n, [0] * n, [0] * n, [lag] * n, [drafter_start] * n))
     return out, step
 
 
@@ -169,6 +200,23 @@ def test_a_lagging_drafter_holds_blocks_back_until_its_request_ends():
     assert sched.block_manager.num_cached_blocks == 0
     _step(sched, lag=0)  # a ends (max_tokens) with its feed flushed: its full blocks are cached
     assert a.status.finished and sched.block_manager.num_cached_blocks == 4
+
+
+def test_a_request_whose_drafter_gave_its_backlog_up_caches_its_blocks_without_drafter_kv():
+    """The ranks' drafter gave an ended request's backlog up (``Speculator.settle``: lag 0, its
+    context past its computed tokens): its blocks are registered without drafter KV, and the ranks
+    learn where a taker's drafter context starts (``SeqStep.drafter_start``, in its first step)."""
+    sched = _scheduler(32)
+    sched.add_request(_request("a", list(range(100, 118)), max_tokens=2))
+    _, step = _step(sched, lag=18)
+    assert step.seqs[0].drafter_start == 0 and sched.block_manager.num_cached_blocks == 0
+    _step(sched, lag=0, drafter_start=19)  # a ends
+    assert sched.block_manager.num_cached_blocks == 4
+    sched.add_request(_request("b", list(range(100, 118)) + [7]))
+    _, step = _step(sched, drafter_start=16)
+    assert (step.seqs[0].start_pos, step.seqs[0].drafter_start) == (16, 16)
+    _, step = _step(sched, drafter_start=16)
+    assert step.seqs[0].drafter_start is None  # told once
 
 
 def test_a_preempted_request_takes_its_own_cached_blocks_back_and_restarts_the_ranks_table():

@@ -177,3 +177,55 @@ def test_the_drafters_kv_after_a_hit_equals_a_cold_starts(method, tiny_llama, ti
     assert (none, hits) == (0, 32 if method == "mtp" else 40)
     assert warm.shape == cold.shape and warm.abs().amax(dim=(0, 2, 3)).min() > 0  # every position written
     torch.testing.assert_close(warm, cold, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_a_request_held_at_k0_costs_the_drafter_nothing_and_a_taker_drafts_after_its_blocks(
+    method, tiny_llama, tiny_dflash, tiny_mtp, monkeypatch
+):
+    """Adaptive speculation held at k = 0 for a whole request (no drafts, no probes): its drafter
+    never runs, neither while it is held nor at its end (a backlog longer than
+    ``max_flushed_tokens`` is given up, not fed), and its blocks are cached without drafter KV. A
+    later request with the same prompt takes them, starts its drafter's context after them
+    (``drafter_start``), drafts from there, and its output is plain decoding's."""
+    from tpspec.engine.speculation import controller
+    from tpspec.spec_decode.chain_head import ChainHeadProposer
+    from tpspec.spec_decode.dflash import DFlashSpeculator
+
+    model = {"mtp": tiny_mtp, "dflash": tiny_dflash}[method]
+    spec = dict(method=method, model=model, num_speculative_tokens=3)
+    prompt = _workload()[0]  # 48 tokens: a backlog of 47 + 15 rows when it ends
+    drafter_runs = []
+    feed = (ChainHeadProposer, "_run") if method == "mtp" else (DFlashSpeculator, "_write_context")
+    original = getattr(*feed)
+
+    def counting(self, *args, **kwargs):
+        drafter_runs.append(sorted(self.states))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(*feed, counting)
+    monkeypatch.setattr(controller, "PROBE_INTERVAL", 10**9)
+    monkeypatch.setattr(controller.SpeculationLengthController, "_adaptive_ks",
+                        lambda self, reqs, real_rows: [3 if r.req_id == "taker" and r.samples else 0 for r in reqs])
+    outputs = {}
+    with LLM(tiny_llama, **ENGINE) as llm:
+        outputs["plain"] = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(tiny_llama, speculative_config=spec, **ENGINE) as llm:
+        engine = llm.llm_engine
+        for req_id in ("held", "taker"):
+            engine.add_request(prompt, GREEDY, request_id=req_id)
+            taker = engine.scheduler.requests.get("taker")
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[req_id] = out.outputs[0].token_ids
+                if taker is not None and not taker.status.finished:
+                    start = taker.drafter_start
+            if req_id == "held":
+                assert drafter_runs == []
+        stats = llm.get_stats()
+    assert start == 40  # the 5 taken blocks lack drafter KV: the taker's context starts after them
+    assert stats["prefix_cache_hits"] == 40
+    assert drafter_runs and all(states == ["taker"] for states in drafter_runs)
+    assert stats["num_draft_tokens"] > 0
+    assert outputs["held"] == outputs["taker"] == outputs["plain"]

@@ -17,10 +17,10 @@ BLOCK = 4
 HEAD_DIM = 16
 
 
-def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None):
+def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None, first=0):
     """q: [n_q, heads, d] for positions query_start.. ; keys/values: [ctx, kv_heads, d] -> [n_q, heads·d] (float32).
     The last ``tail`` positions see each other both ways; with ``window``, a query at p sees no key at or
-    before p − window."""
+    before p − window; no query sees a key before ``first``."""
     q, keys, values = q.float(), keys.float(), values.float()
     k = keys[:, kv_of_head]  # [ctx, heads, d]
     v = values[:, kv_of_head]
@@ -31,6 +31,7 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None):
     visible = (pos[None, :] <= qpos[:, None]) | ((pos[None, :] >= ctx - tail) & (qpos[:, None] >= ctx - tail))
     if window is not None:
         visible &= pos[None, :] > qpos[:, None] - window
+    visible &= pos[None, :] >= first
     scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
@@ -120,3 +121,42 @@ def test_sliding_window_attention_matches_reference(window, cpu_kernels_mode):
         for qq, kk, vv, c, n, b in zip(q, keys, values, context_lens, query_lens, tail)
     ])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_query_sees_a_key_before_its_sequences_first_key(window, dtype, cpu_kernels_mode):
+    """A drafter whose KV is written from some position on (``first_keys``): a decode, k + 1
+    queries, a non-causal draft block and a lone sequence in consecutive blocks (read in place
+    otherwise) see no key before their sequence's first key, whatever the cache holds there (stale
+    keys that would take every query's attention, if seen), on the kernel's path and PyTorch's; a
+    first key of 0 changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    cases = [([1, 4, 3], [17, 12, 10], [0, 0, 3], [9, 0, 4]), ([5], [14], None, [6])]
+    for query_lens, context_lens, tail, first_keys in cases:
+        tables = [[10 * i + j for j in range(-(-c // BLOCK))] for i, c in enumerate(context_lens)]
+        k_cache = torch.full((64 * BLOCK, 2, HEAD_DIM), 30.0, dtype=dtype)
+        k_cache[:, :, ::2] = -30.0  # |score| ~ 30² · 16 · 0.25 for any query
+        v_cache = torch.full_like(k_cache, 1e3)
+        keys = [torch.randn(c, 2, HEAD_DIM, generator=g).to(dtype) for c in context_lens]
+        values = [torch.randn(c, 2, HEAD_DIM, generator=g).to(dtype) for c in context_lens]
+        for t, kk, vv, n, f in zip(tables, keys, values, query_lens, first_keys):  # written from f on only
+            written = torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for p in range(f, kk.shape[0] - n)], dtype=torch.int64)
+            k_cache[written], v_cache[written] = kk[f : kk.shape[0] - n], vv[f : vv.shape[0] - n]
+        q = [torch.randn(n, 4, HEAD_DIM, generator=g).to(dtype) for n in query_lens]
+        md = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK, torch.device("cpu"), non_causal_tail=tail,
+                                     first_keys=first_keys)
+        assert md.contiguous_slots is None
+        attn = Attention(4, 2, HEAD_DIM, torch.tensor([0, 0, 1, 1]), sliding_window=window)
+        out = attn(torch.cat(q), torch.cat([kk[-n:] for kk, n in zip(keys, query_lens)]),
+                   torch.cat([vv[-n:] for vv, n in zip(values, query_lens)]), (k_cache, v_cache), md)
+        ref = torch.cat([
+            _reference(qq, kk, vv, [0, 0, 1, 1], c - n, b, window, f)
+            for qq, kk, vv, c, n, b, f in zip(q, keys, values, context_lens, query_lens, tail or [0] * len(q), first_keys)
+        ])
+        tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    zero = AttentionMetadata.build([1], [5], [[0, 1]], BLOCK, torch.device("cpu"), first_keys=[0])
+    assert zero.key_first is None and zero.contiguous_slots is not None
+    with pytest.raises(ValueError, match="first_keys"):
+        AttentionMetadata.build([2], [5], [[0, 1]], BLOCK, torch.device("cpu"), first_keys=[4])

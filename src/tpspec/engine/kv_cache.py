@@ -2,9 +2,11 @@
 caching.
 
 A block is referenced by every request whose table holds it. With prefix caching, a full block
-whose target and drafter KV are both written is registered under its hash (``block_hash``); a
-later request whose tokens start with the same blocks takes them instead of computing them
-(``take_cached``). A registered block nobody references stays cached in an LRU of evictable
+whose target KV is written and whose drafter KV is settled (written, or given up by a drafter that
+let a held request's backlog go) is registered under its hash (``block_hash``), noting whether it
+holds the drafter's KV; a later request whose tokens start with the same blocks takes them
+instead of computing them (``take_cached``), its drafter context starting after the last taken
+block without drafter KV. A registered block nobody references stays cached in an LRU of evictable
 blocks until a new block is needed and no never-cached block is free; freeing a request puts its
 blocks last-first, so a chain's tail is evicted before its head, which more requests share.
 
@@ -30,6 +32,7 @@ class BlockManager:
         self.free_blocks: list[int] = list(range(num_blocks))  # a min-heap of blocks holding nothing cached
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks  # a registered block's hash
+        self.has_drafter_kv = [False] * num_blocks  # a registered block's drafter KV is written
         self.cached: dict[bytes, int] = {}  # hash -> registered block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; least recently freed first
         self.num_queried_tokens = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
@@ -86,7 +89,9 @@ class BlockManager:
     def take_cached(self, req: Request) -> int:
         """For a request about to be admitted with nothing computed: take the cached blocks its
         tokens start with into its (empty) table and return how many tokens they hold. Its last
-        token is never among them: computing it gives the logits of the request's next token."""
+        token is never among them: computing it gives the logits of the request's next token.
+        Sets ``req.drafter_start`` past the last taken block without drafter KV."""
+        req.drafter_start = 0
         if not self.enable_caching or req.block_ids:
             return 0
         extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens - 1 + self.hash_lookahead,
@@ -99,6 +104,8 @@ class BlockManager:
                 del self.evictable[b]
             self.ref_counts[b] += 1
             req.block_ids.append(b)
+            if not self.has_drafter_kv[b]:
+                req.drafter_start = len(req.block_ids) * self.block_size
         req.num_cached_blocks = len(req.block_ids)
         return len(req.block_ids) * self.block_size
 
@@ -109,8 +116,10 @@ class BlockManager:
 
     def cache_blocks(self, req: Request, num_valid_tokens: int) -> None:
         """Register ``req``'s full blocks within its first ``num_valid_tokens`` tokens (their target
-        and drafter KV written). A block whose hash another block already holds stays unregistered
-        (two requests computed the same prefix at once): it is freed as an ordinary block."""
+        KV written, their drafter KV settled), each noting whether its drafter KV is written: from
+        ``req.drafter_start`` on. A block whose hash another block already holds stays
+        unregistered (two requests computed the same prefix at once) and is freed as an ordinary
+        block, unless it has the drafter KV the registered one lacks: then it takes its place."""
         if not self.enable_caching:
             return
         full = min(num_valid_tokens // self.block_size, len(req.block_ids))
@@ -120,7 +129,18 @@ class BlockManager:
         full = min(full, len(req.block_hashes))
         for i in range(req.num_cached_blocks, full):
             h, b = req.block_hashes[i], req.block_ids[i]
-            if h not in self.cached and self.block_hashes[b] is None:
-                self.cached[h] = b
-                self.block_hashes[b] = h
+            if self.block_hashes[b] is not None:  # taken from the cache
+                continue
+            with_drafter = i * self.block_size >= req.drafter_start
+            old = self.cached.get(h)
+            if old is not None and (self.has_drafter_kv[old] or not with_drafter):
+                continue
+            if old is not None:  # b has the drafter KV old lacks: old becomes an ordinary block
+                self.block_hashes[old] = None
+                if self.ref_counts[old] == 0:
+                    del self.evictable[old]
+                    heapq.heappush(self.free_blocks, old)
+            self.cached[h] = b
+            self.block_hashes[b] = h
+            self.has_drafter_kv[b] = with_drafter
         req.num_cached_blocks = max(req.num_cached_blocks, full)

@@ -4,8 +4,11 @@ Each step gives every running request the tokens it still needs in the KV cache 
 decode, a chunk for a prefill) within ``max_num_batched_tokens``, then admits waiting requests
 while blocks, sequence slots and the token budget last; an admitted request first takes the
 cached blocks its tokens start with (``BlockManager.take_cached``) and computes only the rest.
-After each step, a request's full blocks whose target and drafter KV are written are registered
-for later requests. When blocks run out, the most recently admitted running request is
+After each step, a request's full blocks whose KV is settled are registered for later requests:
+the target's is written, and the drafter's written or given up for good (the backlog of a
+request held at k = 0 that the ranks' drafter let go, ``Speculator.settle``); each block notes
+whether it holds drafter KV (``BlockManager.take_cached`` starts a taker's drafter context after
+the last one that does not). When blocks run out, the most recently admitted running request is
 preempted: its blocks are freed (the registered ones stay cached) and it is recomputed later.
 """
 
@@ -45,8 +48,10 @@ class SchedulerOutput:
                 new.append(NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.seed,
                                       req.max_tokens, req.eos_token_ids))
             restart, req.restart_table = req.restart_table, False
-            known = 0 if restart or req.num_blocks_on_ranks < 0 else req.num_blocks_on_ranks
-            seqs.append(SeqStep(req.request_id, req.num_computed_tokens, n, req.block_ids[known:], v, d, restart))
+            starts = restart or req.num_blocks_on_ranks < 0
+            known = 0 if starts else req.num_blocks_on_ranks
+            seqs.append(SeqStep(req.request_id, req.num_computed_tokens, n, req.block_ids[known:], v, d, restart,
+                                req.drafter_start if starts else None))
             req.num_blocks_on_ranks = len(req.block_ids)
         return StepInput(seqs, new, self.finished_req_ids)
 
@@ -90,7 +95,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.drafter_lag = 0  # the ranks drop the drafter's deferred feed
+        req.drafter_lag = req.drafter_start = 0  # the ranks drop the drafter's deferred feed
         req.restart_table = req.num_blocks_on_ranks >= 0
         req.num_spec_tokens = 0  # the ranks' drafts are dropped by the recompute
         self.waiting.appendleft(req)
@@ -188,6 +193,7 @@ class Scheduler:
             req.num_computed_tokens += n + accepted  # KV of rejected drafts is dropped (overwritten later)
             req.num_spec_tokens = result.num_drafts[i] if result.num_drafts else 0
             req.drafter_lag = result.drafter_lag[i] if result.drafter_lag else 0
+            req.drafter_start = result.drafter_start[i] if result.drafter_start else 0
             emitted = 0
             for token in result.sampled[i]:
                 req.output_token_ids.append(token)

@@ -45,11 +45,14 @@ class Request(TokenSequence):
     num_blocks_on_ranks: int = -1  # how many of block_ids the ranks know; -1: the ranks have not seen it
     restart_table: bool = False  # re-admitted after a preemption: the ranks' block table starts over
     # Prefix caching (engine.kv_cache): the hashes of its full blocks so far, how many of its
-    # blocks are registered (or were taken from the cache), and how many of its latest computed
-    # tokens the ranks' drafter has not fed yet (their blocks wait to be registered).
+    # blocks are registered (or were taken from the cache), how many of its latest computed
+    # tokens the ranks' drafter has not fed yet (their blocks wait to be registered), and the
+    # first position from which its drafter KV is written (below: cached blocks without it, or
+    # a backlog the ranks' drafter dropped).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     drafter_lag: int = 0
+    drafter_start: int = 0
     wait_for: str | None = None  # a sibling with the same prompt whose prefill this one waits for
 
     @property

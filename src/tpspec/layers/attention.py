@@ -177,6 +177,8 @@ class AttentionMetadata:
     token_seq: torch.Tensor  # [num_tokens] the row of context_slots of each token's sequence
     token_pos: torch.Tensor  # [num_tokens] absolute position of each token
     key_end: torch.Tensor  # [num_tokens] how many of its sequence's first keys each token sees
+    # [num_tokens] the first key each token may see (its sequence's ``first_keys``); None: key 0
+    key_first: torch.Tensor | None = None
     # (first slot, max_context) when the step has one sequence and its keys fill consecutive slots
     # (consecutive blocks): attention reads them in place instead of gathering them; None otherwise
     contiguous_slots: tuple[int, int] | None = None
@@ -206,6 +208,8 @@ class AttentionMetadata:
         ranges = self._key_ranges.get(window)
         if ranges is None:
             first = torch.zeros_like(self.key_end) if window is None else (self.token_pos - window + 1).clamp_(min=0)
+            if self.key_first is not None:
+                first = torch.maximum(first, self.key_first)
             ranges = torch.stack([first, self.key_end], dim=1)
             self._key_ranges[window] = ranges
         return ranges
@@ -233,12 +237,15 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         non_causal_tail: list[int] | None = None,
+        first_keys: list[int] | None = None,
     ) -> "AttentionMetadata":
         """Sequence i feeds ``query_lens[i]`` new tokens that end its first ``context_lens[i]`` tokens.
 
         ``non_causal_tail[i]`` > 0 lets the last that many queries of sequence i see each other
-        in both directions (a parallel draft block); causal everywhere else. Index arithmetic in
-        NumPy (a step's worth of small arrays: a tenth of the time of as many torch ops).
+        in both directions (a parallel draft block); causal everywhere else. ``first_keys[i]``:
+        sequence i's keys before this position are not seen (a drafter whose KV is written from
+        there on; at most its first new token's position). Index arithmetic in NumPy (a step's
+        worth of small arrays: a tenth of the time of as many torch ops).
         """
         num_seqs, max_ctx = len(query_lens), max(context_lens)
         num_tokens = sum(query_lens)
@@ -259,6 +266,12 @@ class AttentionMetadata:
         pos = np.arange(max_ctx)
         slots = tables[order][:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
         key_valid = pos[None, :] < ctx[order][:, None]
+        first = None
+        if first_keys is not None and any(first_keys):
+            first = np.asarray(first_keys, dtype=np.int64)
+            if (first > ctx - qlen).any() or (first < 0).any():
+                raise ValueError(f"first_keys {first_keys} must lie in [0, each sequence's first new position]")
+            key_valid &= pos[None, :] >= first[order][:, None]
         context_slots = np.where(key_valid, slots, 0)
         # Per token: its sequence's row of context_slots and the keys it sees (causal; a
         # non-causal tail sees the whole block).
@@ -266,7 +279,7 @@ class AttentionMetadata:
         row_of_seq[order] = np.arange(num_seqs)
         key_end = np.where(token_pos >= (ctx - tail)[token_seq], ctx[token_seq], token_pos + 1)
         contiguous = None
-        if num_seqs == 1:
+        if num_seqs == 1 and first is None:
             table = block_tables[0][: -(-max_ctx // block_size)]
             if table == list(range(table[0], table[0] + len(table))):
                 contiguous = (table[0] * block_size, max_ctx)
@@ -281,6 +294,7 @@ class AttentionMetadata:
             token_seq=tensor(row_of_seq[token_seq]),
             token_pos=tensor(token_pos),
             key_end=tensor(key_end),
+            key_first=None if first is None else tensor(first[token_seq]),
             contiguous_slots=contiguous,
             _group_plan=_GroupPlan(qlen, ctx, tail, starts, order, [classes[i] for i in order], key_valid, device),
         )
@@ -383,7 +397,8 @@ class Attention(nn.Module):
             bias = g.attn_bias if self.sliding_window is None else g.window_bias(self.sliding_window)
             if g.decode and compute == torch.float32:
                 # [seqs, 1, 1, max_ctx]; one sequence attending over all its keys: no mask
-                mask = bias[:, 0] if num_seqs > 1 or self.sliding_window is not None else None
+                masked = num_seqs > 1 or self.sliding_window is not None or md.key_first is not None
+                mask = bias[:, 0] if masked else None
                 outs.append(self._decode_sdpa(q if md.decode_only else q[g.token_rows], g_keys, g_values, mask))
                 continue
             if g.decode:

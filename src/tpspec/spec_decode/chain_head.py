@@ -13,9 +13,11 @@ The k − 1 chained rows sit at positions n … n + k − 2, inside the k lookah
 reserves.
 
 A sequence that proposes no drafts this step (k = 0) puts its refeed off: its rows wait in its
-``DraftState`` (``DeferredRows``, at most ``max_deferred_tokens``) and are fed in one batch with the step
-in which it proposes again, so steps without speculation cost the head nothing, and its KV is
-complete whenever it drafts.
+``DraftState`` (``DeferredRows``) and are fed in one batch with the step in which it proposes
+again, so steps without speculation cost the head nothing. Past ``max_deferred_tokens`` rows the
+oldest are dropped unfed and the head's attention for that sequence starts after them
+(``DraftState.context_start``, the keys' first position): a request held at k = 0 for good never
+runs the head, one that proposes again feeds at most that many rows first.
 
 A partial prefill chunk ``x_s … x_e`` feeds rows s … e − 1 at once; its last row needs x_{e+1}, which
 the next chunk brings, so that row waits (its target features kept) and is fed with the next chunk.
@@ -40,6 +42,11 @@ class DeferredRows:
     ids: list[int]  # [n] or [n − 1] token t + 1 of row t
     positions: list[int]  # [n]
     features: list[torch.Tensor]  # per step deferred: [n_step, feature_width] target features
+
+    def drop_oldest(self, keep: int) -> None:
+        """Keep the newest ``keep`` rows (all of them ready: a sampled step's rows)."""
+        features = torch.cat(self.features)[-keep:]  # a copy: the dropped rows' features are freed
+        self.ids, self.positions, self.features = self.ids[-keep:], self.positions[-keep:], [features]
 
     def split_ready(self) -> tuple[list[int], list[int], torch.Tensor, "DeferredRows | None"]:
         """The rows whose next token is known (ids, positions, features [rows, feature_width]), and
@@ -72,13 +79,15 @@ class ChainHeadProposer(DraftModelSpeculator):
 
     def _run(
         self, ids: list[int], positions: list[int], hidden: torch.Tensor, query_lens: list[int], tables: list[list[int]],
-        step: int = 0,
+        first_keys: list[int] | None = None, step: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over the rows of several sequences (``query_lens[i]`` consecutive rows
-        each, the last at the sequence's newest position); returns (normed, prenorm) [rows, H]."""
+        each, the last at the sequence's newest position; its keys from ``first_keys[i]`` on, None:
+        all); returns (normed, prenorm) [rows, H]."""
         ends = torch.cumsum(torch.tensor(query_lens), 0) - 1
         context_lens = [positions[e] + 1 for e in ends.tolist()]
-        md = AttentionMetadata.build(query_lens, context_lens, tables, self.engine_config.cache.block_size, self.device)
+        md = AttentionMetadata.build(query_lens, context_lens, tables, self.engine_config.cache.block_size, self.device,
+                                     first_keys=first_keys)
         return self._forward(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -100,13 +109,10 @@ class ChainHeadProposer(DraftModelSpeculator):
         hidden = torch.zeros(num_rows, self.hidden_size, dtype=self.model.dtype, device=self.device)
         self.dummy_sample(self._dummy_run(hidden, 1))
 
-    def flush(self, req_id: str, block_table: list[int]) -> int:
-        state = self.states[req_id]
-        if state.deferred is None:
-            return 0
+    def _feed_deferred(self, state: DraftState, block_table: list[int]) -> int:
         ids, positions, features, state.deferred = state.deferred.split_ready()
         if ids:
-            self._run(ids, positions, self._hidden(features), [len(ids)], [block_table])
+            self._run(ids, positions, self._hidden(features), [len(ids)], [block_table], [state.context_start])
         return len(ids)
 
     @torch.inference_mode()
@@ -128,8 +134,12 @@ class ChainHeadProposer(DraftModelSpeculator):
             rows.ids += tokens if len(rows.ids) < len(rows.positions) else tokens[1:]
             rows.positions += range(inp.start_pos[i], inp.start_pos[i] + n)
             rows.features.append(features)
-            if inp.num_drafts[i] == 0 and inp.sampled[i] and len(rows.positions) <= self.max_deferred_tokens:
-                rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive
+            if inp.num_drafts[i] == 0 and inp.sampled[i]:
+                if len(rows.positions) > self.max_deferred_tokens:
+                    rows.drop_oldest(self.max_deferred_tokens)
+                    states[i].context_start = rows.positions[0]
+                else:
+                    rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive
                 states[i].deferred = rows if rows.positions else None
                 continue
             if not rows.positions:
@@ -144,7 +154,8 @@ class ChainHeadProposer(DraftModelSpeculator):
         if not fed:
             return len(positions)
         features = torch.cat(feature_chunks)  # [rows, F]
-        normed, prenorm = self._run(ids, positions, self._hidden(features), lens, [inp.block_tables[i] for i in fed])
+        normed, prenorm = self._run(ids, positions, self._hidden(features), lens, [inp.block_tables[i] for i in fed],
+                                    [states[i].context_start for i in fed])
         rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
         if not rows:
             return len(positions)
@@ -165,7 +176,8 @@ class ChainHeadProposer(DraftModelSpeculator):
             nonlocal carried
             normed_next, carried = self._run(
                 tokens, [pos[r] + j - 1 for r in active], carried[torch.tensor(keep, device=self.device)],
-                [1] * len(active), [tables[r] for r in active], step=j + 1,
+                [1] * len(active), [tables[r] for r in active], [states[rows[r]].context_start for r in active],
+                step=j + 1,
             )
             return normed_next
 

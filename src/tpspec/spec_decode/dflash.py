@@ -3,9 +3,11 @@
 Per step, the target features of the tokens each sequence just kept are turned into context K/V
 in the drafter's paged KV cache (same block tables as the target). A sequence that proposes no
 drafts this step (k = 0) puts that off: its features wait in its ``DraftState``
-(``DeferredContext``, at most ``max_deferred_tokens``) and are written in one batch with the step in which it proposes
-again, so steps without speculation cost the drafter nothing, and the invariant "draft KV valid
-below the target's computed tokens" holds whenever a block is drafted. Each proposing sequence
+(``DeferredContext``) and are written in one batch with the step in which it proposes again, so
+steps without speculation cost the drafter nothing. Past ``max_deferred_tokens`` the oldest are
+dropped unwritten and the block's attention for that sequence starts after them
+(``DraftState.context_start``); the draft KV is valid from there to the target's computed tokens
+whenever a block is drafted. Each proposing sequence
 then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the scheduler reserves
 these k + 1 slots); outputs 1 … k are the k drafts, picked for all B·k rows at once by the base
 class, which is where ``use_local_argmax_reduction`` pays most.
@@ -94,11 +96,8 @@ class DFlashSpeculator(DraftModelSpeculator):
             hidden = self.model(embeds, positions, self.kv_caches, md)
         self.dummy_sample(hidden)
 
-    def flush(self, req_id: str, block_table: list[int]) -> int:
-        state = self.states[req_id]
+    def _feed_deferred(self, state: DraftState, block_table: list[int]) -> int:
         deferred, state.deferred = state.deferred, None
-        if deferred is None:
-            return 0
         self._write_context(deferred.features, deferred.positions, deferred.slots)
         return len(deferred.positions)
 
@@ -132,8 +131,13 @@ class DFlashSpeculator(DraftModelSpeculator):
                 backlog.positions += pos
                 backlog.slots += slots
                 chunks, pos, slots = backlog.features + chunks, backlog.positions, backlog.slots
-            if inp.num_drafts[i] == 0 and len(pos) <= self.max_deferred_tokens:
-                chunks[-1] = features.clone()  # a view would keep the step's captured hidden states alive
+            keep = self.max_deferred_tokens
+            if inp.num_drafts[i] == 0 and (len(pos) <= keep or inp.sampled[i]):  # a prefill chunk past it is written
+                if len(pos) > keep:  # the oldest dropped: the drafter's context starts after them
+                    chunks, pos, slots = [torch.cat(chunks)[-keep:]], pos[-keep:], slots[-keep:]
+                    states[i].context_start = pos[0]
+                else:
+                    chunks[-1] = features.clone()  # a view would keep the step's captured hidden states alive
                 states[i].deferred = DeferredContext(chunks, pos, slots) if pos else None
                 continue
             ctx_features += chunks
@@ -159,7 +163,8 @@ class DFlashSpeculator(DraftModelSpeculator):
         block_ids = [t for i, n in zip(rows, lens) for t in [inp.token_ids[i][-1]] + [mask] * (n - 1)]
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         tables = [inp.block_tables[i] for i in rows]
-        md = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables, bs, self.device, non_causal_tail=lens)
+        md = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables, bs, self.device, non_causal_tail=lens,
+                                     first_keys=[states[i].context_start for i in rows])
         embeds = self.model.target.embed_input_ids(torch.tensor(block_ids, dtype=torch.int64, device=self.device))
         with self._tp_context():
             hidden = self.model(embeds, torch.tensor(positions, dtype=torch.int64, device=self.device), self.kv_caches, md)

@@ -109,6 +109,9 @@ class DraftState:
     # own type, with the ``positions`` it covers: ``dflash.DeferredContext``,
     # ``chain_head.DeferredRows``); None: none.
     deferred: object | None = None
+    # The first position the drafter's attention reads for this request: its KV is written from
+    # there on (below: cached blocks without it, or deferred work it dropped).
+    context_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,10 +159,12 @@ class Speculator:
     def forget(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 
-    def restart(self, req_id: str) -> None:
-        """The request's KV starts over (recomputed from position 0 after a preemption): work put
-        off on its old slots is void, they may belong to another request by now."""
-        self.states[req_id].deferred = None
+    def restart(self, req_id: str, context_start: int) -> None:
+        """The request's KV starts (again, after a preemption) from its cached blocks, whose drafter
+        KV is written from ``context_start`` on: work put off on its old slots is void, they may
+        belong to another request by now."""
+        state = self.states[req_id]
+        state.deferred, state.context_start = None, context_start
 
     def drafts(self, req_id: str) -> list[int]:
         """The drafts held for the request's next step."""
@@ -175,9 +180,15 @@ class Speculator:
         deferred = self.states[req_id].deferred
         return 0 if deferred is None else len(deferred.positions)
 
-    def flush(self, req_id: str, block_table: list[int]) -> int:
-        """Feed what the request's drafter put off (an ended request, so that its blocks are
-        cached with the drafter's KV written); returns the rows fed."""
+    def context_start(self, req_id: str) -> int:
+        """The first position whose drafter KV the request's drafting reads (``DraftState``)."""
+        return self.states[req_id].context_start
+
+    def settle(self, req_id: str, block_table: list[int]) -> int:
+        """An ended request's deferred feed, so that its blocks can be cached: fed if it is at most
+        ``max_flushed_tokens`` rows (what a drafting request leaves), else given up (a request
+        held at k = 0: its blocks are cached without drafter KV, rather than every held request
+        paying its feed at its end; its drafter context then starts past them). Returns the rows fed."""
         return 0
 
     # ---- proposing --------------------------------------------------------------------------
@@ -235,8 +246,26 @@ def check_local_argmax_reduction(spec: SpeculativeConfig, model_class: type) -> 
 class DraftModelSpeculator(Speculator):
     # Kept tokens a drafter that defers its feed (DFlash, the chain heads) lets one sequence that
     # proposes nothing leave unfed (their target features wait on the rank, 4 · capture layers ·
-    # hidden size bytes each); past this they are fed anyway.
+    # hidden size bytes each); past this the oldest are dropped, unfed, and the request's drafter
+    # context starts after them (``DraftState.context_start``): a request held at k = 0 costs
+    # the drafter nothing, and one that proposes again feeds at most this many rows first.
     max_deferred_tokens: int = 256
+    # The most deferred rows an ended request's drafter still feeds (``settle``): what a drafting
+    # request leaves (its last step's), so that its cached blocks keep their drafter KV.
+    max_flushed_tokens: int = 16
+
+    def settle(self, req_id: str, block_table: list[int]) -> int:
+        state = self.states[req_id]
+        if state.deferred is None:
+            return 0
+        if len(state.deferred.positions) > self.max_flushed_tokens:
+            state.context_start, state.deferred = state.deferred.positions[-1] + 1, None
+            return 0
+        return self._feed_deferred(state, block_table)
+
+    def _feed_deferred(self, state: DraftState, block_table: list[int]) -> int:
+        """Feed the request's whole deferred backlog now (``settle``); returns the rows fed."""
+        raise NotImplementedError
     # True when the draft tokens come from a whole (unsharded) LM head on every rank.
     replicated_lm_head: bool = False
 

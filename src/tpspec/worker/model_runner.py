@@ -220,23 +220,24 @@ class ModelRunner:
         if len(self.grammars):
             for s, emitted in zip(seqs, sampled):
                 self.grammars.accept(s.req_id, emitted)
-        num_drafts, lag = [0] * len(seqs), []
+        num_drafts, lag, drafter_start = [0] * len(seqs), [], []
         fed_rows = 0
         if self.speculator is not None:
             wanted = [s.step.num_draft if emitted and not end else 0 for s, emitted, end in zip(seqs, sampled, ended)]
             fed_rows = self._propose(seqs, sampled, wanted, captured, hidden, rows, meta)
-            if self.config.cache.enable_prefix_caching:  # an ended request's blocks are cached whole
+            if self.config.cache.enable_prefix_caching:  # an ended request's blocks are cached with drafter KV
                 for s, end in zip(seqs, ended):
                     if end:
-                        fed_rows += self.speculator.flush(s.req_id, s.block_table)
+                        fed_rows += self.speculator.settle(s.req_id, s.block_table)
             num_drafts = [len(self.speculator.drafts(s.req_id)) for s in seqs]
             lag = [self.speculator.lag(s.req_id) for s in seqs]
+            drafter_start = [self.speculator.context_start(s.req_id) for s in seqs]
         for s, end in zip(seqs, ended):
             if end:
                 self.forget_request(s.req_id)
         t2 = self._now()
-        return StepOutput(sampled, logprobs, num_accepted, num_drafts, lag, target_s=t1 - t0, drafter_s=t2 - t1,
-                          drafter_fed_rows=fed_rows)
+        return StepOutput(sampled, logprobs, num_accepted, num_drafts, lag, drafter_start, target_s=t1 - t0,
+                          drafter_s=t2 - t1, drafter_fed_rows=fed_rows)
 
     def _schedule(self, step: StepInput) -> list[ScheduledSeq]:
         """Each scheduled request's share of the step: its tokens to feed, then the drafts to verify."""
@@ -244,8 +245,8 @@ class ModelRunner:
         for s, req in zip(step.seqs, self.requests.schedule(step.seqs)):
             drafts: list[int] = []
             if self.speculator is not None:
-                if s.restart:
-                    self.speculator.restart(s.req_id)
+                if s.drafter_start is not None:  # the request's first step, or a restart
+                    self.speculator.restart(s.req_id, s.drafter_start)
                 drafts = self.speculator.drafts(s.req_id)
             if s.num_spec > len(drafts):
                 raise RuntimeError(f"request {s.req_id!r}: asked to verify {s.num_spec} drafts, the ranks hold {len(drafts)}")

@@ -38,6 +38,9 @@ class SeqStep:
     num_spec: int = 0
     num_draft: int = 0
     restart: bool = False  # recomputed after a preemption: the block table and the drafter's state start over
+    # Set in the step that first schedules the request or restarts it: the first position whose
+    # drafter KV its cached blocks hold, through to ``start_pos`` (0: all of them, or none taken).
+    drafter_start: int | None = None
 
 
 @dataclass
@@ -62,8 +65,10 @@ class StepOutput:
     num_accepted: list[int] = field(default_factory=list)  # accepted drafts per sequence
     num_drafts: list[int] = field(default_factory=list)  # drafts the ranks now hold per sequence
     # Per sequence: how many of its latest computed tokens the drafter has not fed yet (its
-    # deferred feed); their KV blocks are not registered for prefix caching until it has.
+    # deferred feed; their KV blocks are not registered for prefix caching until it has fed or
+    # dropped them), and the first position whose drafter KV its drafting reads (``DraftState``).
     drafter_lag: list[int] = field(default_factory=list)
+    drafter_start: list[int] = field(default_factory=list)
     target_s: float = 0.0  # rank 0's time in the target's forward, LM head and verification
     drafter_s: float = 0.0  # rank 0's time in the drafter
     drafter_fed_rows: int = 0  # rows rank 0's drafter fed (its deferred backlogs included)

@@ -77,8 +77,9 @@ def _random_ks(self, reqs, real_rows):
     return [self._rng.randint(0, c) for c in caps]
 
 
-def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
-    """(request id, position of its first draft, drafts) of every proposal on rank 0."""
+def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int], int]]:
+    """(request id, position of its first draft, drafts, the first position its drafter read) of
+    every proposal on rank 0."""
     recorded: list = []
     propose = ModelRunner._propose
 
@@ -86,7 +87,8 @@ def _record_drafts(monkeypatch) -> list[tuple[str, int, list[int]]]:
         fed_rows = propose(self, seqs, sampled, wanted, *rest)
         for s, n in zip(seqs, wanted):
             if n:
-                recorded.append((s.req_id, s.req.num_tokens, list(self.speculator.drafts(s.req_id))))
+                recorded.append((s.req_id, s.req.num_tokens, list(self.speculator.drafts(s.req_id)),
+                                 self.speculator.context_start(s.req_id)))
         return fed_rows
 
     monkeypatch.setattr(ModelRunner, "_propose", recording)
@@ -104,7 +106,7 @@ def _generate(target: str, tp: int, spec: dict | None, engine: dict) -> tuple[li
 
 def _run(key: tuple, target: str, drafters: dict, monkeypatch, roomy: bool = False) -> dict:
     """key: (method, tp, flag, mode), mode "random" (random k), "random-cap" (random k, the
-    drafter feeding its deferred rows past 2 tokens), "pinned" (k = K) or "adaptive"; ``roomy``: the ROOMY
+    drafter dropping its deferred rows past 2 tokens), "pinned" (k = K) or "adaptive"; ``roomy``: the ROOMY
     engine instead of ENGINE."""
     key = (*key, roomy)
     engine = ROOMY if roomy else ENGINE
@@ -150,18 +152,24 @@ def test_random_k_is_lossless(case, tiny_llama, drafters, monkeypatch):
 )
 def test_drafts_do_not_depend_on_earlier_k(case, mode, tiny_llama, drafters, monkeypatch):
     """Whatever k a request had before (0 included: DFlash and the chain heads defer their feed
-    then, "random-cap" makes them feed it after 2 tokens), its drafter proposes what it would
-    with k pinned."""
+    then), its drafter proposes what it would with k pinned, as long as it kept its whole backlog.
+    With "random-cap" a backlog past 2 tokens is dropped and the drafter's context starts after
+    it: the output stays plain decoding's, and the drafts before any drop still match."""
     method, tp, flag = CASES[case]
     random_run = _run((method, tp, flag, mode), tiny_llama, drafters, monkeypatch, roomy=True)
     pinned = _run((method, tp, flag, "pinned"), tiny_llama, drafters, monkeypatch, roomy=True)
+    cut = [start for *_, start in random_run["drafts"] if start > 0]
+    assert bool(cut) == (mode == "random-cap")  # ROOMY's prompts take no cached block
+    if mode == "random-cap":
+        plain = _run((None, tp, False, "plain"), tiny_llama, drafters, monkeypatch, roomy=True)
+        assert random_run["tokens"] == plain["tokens"]
     # (A chain head's KV at a prefill chunk's last position stays unwritten, so there chunk
     # boundaries, which the token budget left by drafts moves, change its drafts: ROOMY has none.)
     # The same request reaches the same position with the same tokens in both runs (greedy): the
     # drafter, fed the same history, must propose the same drafts there, for the same k (a DFlash
     # block's drafts see each other, so they depend on its length; a chain's first j do not).
-    reference = {(r, pos): d for r, pos, d in pinned["drafts"]}
-    common = [(d, reference[(r, pos)]) for r, pos, d in random_run["drafts"] if (r, pos) in reference]
+    reference = {(r, pos): d for r, pos, d, _ in pinned["drafts"]}
+    common = [(d, reference[(r, pos)]) for r, pos, d, start in random_run["drafts"] if (r, pos) in reference and start == 0]
     if method == "dflash":
         common = [(a, b) for a, b in common if len(a) == len(b)]
     assert len(common) >= 5
