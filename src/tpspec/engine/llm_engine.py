@@ -167,7 +167,7 @@ class LLMEngine:
             max_len = self.config.scheduler.max_model_len
             plan_reqs = [  # a request proposes for a next step in which it will have one more token
                 PlanRequest(req.request_id, sched.samples(i), req.num_spec_tokens, sched.max_spec[i],
-                            max(0, min(self.controller.max_k, req.draft_room(max_len) - 1)))
+                            max(0, min(self.controller.max_k, req.draft_room(max_len) - 1)), req.drafter_lag)
                 for i, req in enumerate(sched.requests)
             ]
             plan = self.controller.plan(plan_reqs, real_rows)

@@ -15,7 +15,7 @@ reserves.
 A sequence that proposes no drafts this step (k = 0) puts its refeed off: its rows wait in its
 ``DraftState`` (``DeferredRows``) and are fed in one batch with the step in which it proposes
 again, so steps without speculation cost the head nothing. Past ``max_deferred_tokens`` rows the
-oldest are dropped unfed and the head's attention for that sequence starts after them
+oldest are dropped unfed (down to half as many) and the head's attention for that sequence starts after them
 (``DraftState.context_start``, the keys' first position): a request held at k = 0 for good never
 runs the head, one that proposes again feeds at most that many rows first.
 
@@ -136,7 +136,7 @@ class ChainHeadProposer(DraftModelSpeculator):
             rows.features.append(features)
             if inp.num_drafts[i] == 0 and inp.sampled[i]:
                 if len(rows.positions) > self.max_deferred_tokens:
-                    rows.drop_oldest(self.max_deferred_tokens)
+                    rows.drop_oldest(self.kept_after_drop)
                     states[i].context_start = rows.positions[0]
                 else:
                     rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive

@@ -5,7 +5,7 @@ in the drafter's paged KV cache (same block tables as the target). A sequence th
 drafts this step (k = 0) puts that off: its features wait in its ``DraftState``
 (``DeferredContext``) and are written in one batch with the step in which it proposes again, so
 steps without speculation cost the drafter nothing. Past ``max_deferred_tokens`` the oldest are
-dropped unwritten and the block's attention for that sequence starts after them
+dropped unwritten (down to half as many) and the block's attention for that sequence starts after them
 (``DraftState.context_start``); the draft KV is valid from there to the target's computed tokens
 whenever a block is drafted. Each proposing sequence
 then runs one block ``[bonus token, MASK × k]`` at positions P … P + k (the scheduler reserves
@@ -131,9 +131,9 @@ class DFlashSpeculator(DraftModelSpeculator):
                 backlog.positions += pos
                 backlog.slots += slots
                 chunks, pos, slots = backlog.features + chunks, backlog.positions, backlog.slots
-            keep = self.max_deferred_tokens
-            if inp.num_drafts[i] == 0 and (len(pos) <= keep or inp.sampled[i]):  # a prefill chunk past it is written
-                if len(pos) > keep:  # the oldest dropped: the drafter's context starts after them
+            if inp.num_drafts[i] == 0 and (len(pos) <= self.max_deferred_tokens or inp.sampled[i]):  # a prefill chunk past it is written
+                if len(pos) > self.max_deferred_tokens:  # the oldest dropped: the drafter's context starts after them
+                    keep = self.kept_after_drop
                     chunks, pos, slots = [torch.cat(chunks)[-keep:]], pos[-keep:], slots[-keep:]
                     states[i].context_start = pos[0]
                 else:

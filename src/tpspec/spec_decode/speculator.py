@@ -246,10 +246,16 @@ def check_local_argmax_reduction(spec: SpeculativeConfig, model_class: type) -> 
 class DraftModelSpeculator(Speculator):
     # Kept tokens a drafter that defers its feed (DFlash, the chain heads) lets one sequence that
     # proposes nothing leave unfed (their target features wait on the rank, 4 · capture layers ·
-    # hidden size bytes each); past this the oldest are dropped, unfed, and the request's drafter
+    # hidden size bytes each); past this the oldest are dropped, unfed, down to half as many (so
+    # that the copy a drop makes comes once per that many steps), and the request's drafter
     # context starts after them (``DraftState.context_start``): a request held at k = 0 costs
     # the drafter nothing, and one that proposes again feeds at most this many rows first.
-    max_deferred_tokens: int = 256
+    max_deferred_tokens: int = 64
+
+    @property
+    def kept_after_drop(self) -> int:
+        """The deferred tokens a drop keeps (the newest)."""
+        return max(1, self.max_deferred_tokens // 2)
     # The most deferred rows an ended request's drafter still feeds (``settle``): what a drafting
     # request leaves (its last step's), so that its cached blocks keep their drafter KV.
     max_flushed_tokens: int = 16

@@ -13,7 +13,7 @@ import pytest
 from tpspec.config import SpeculativeConfig
 from tpspec.engine.speculation.acceptance import AcceptanceModel
 from tpspec.engine.speculation.controller import (
-    MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, PlanRequest, SpeculationLengthController,
+    MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, RESUME_STEPS, PlanRequest, SpeculationLengthController,
 )
 from tpspec.config.speculative_methods import get_method
 from tpspec.engine.speculation.step_time import PiecewiseLinear, StepTimeModel
@@ -236,6 +236,38 @@ def test_probes_cost_their_budget_when_one_costs_more_than_an_interval_earns():
     cap = PROBE_BUDGET * PROBE_INTERVAL * step + pass_s  # credit carried over at most
     assert PROBE_BUDGET * n * step - cap <= spent <= PROBE_BUDGET * (n * step + spent)
     assert probes < n // PROBE_INTERVAL // 2  # the old rule: at least one every interval
+
+
+def test_resuming_a_held_request_pays_a_share_of_its_backlog_feed():
+    """A deferring drafter feeds a held request's backlog in the step it proposes again: that step
+    is charged 1 / RESUME_STEPS of the feed, so a draft that pays alone does not pay with a long
+    backlog; a drafter that does not defer (n-gram) is charged nothing."""
+    feed_per_row, step = 0.01, 1.0
+    for lag, resumes in ((0, True), (RESUME_STEPS * 200, False)):
+        c = controller("eagle3", 4, model("eagle3", lambda r: step + 0.05 * r, lambda r: 0.05,
+                                          feed=lambda r: feed_per_row * r))
+        set_rates(c, "r0", [0.6] * 4)
+        assert (sum(c.plan([PlanRequest("r0", True, 0, 0, 4, lag)], 1).num_propose) > 0) == resumes
+    # Past some backlog, none (before that, a fixed cost can make more drafts the best way to pay it).
+    c = controller("eagle3", 4, model("eagle3", lambda r: step + 0.05 * r, lambda r: 0.05, feed=lambda r: feed_per_row * r))
+    set_rates(c, "r0", [0.6] * 4)
+    ks = [c.plan([PlanRequest("r0", True, 0, 0, 4, lag)], 1).num_propose[0] for lag in range(0, 4000, 100)]
+    assert ks[0] > 0 and ks[-1] == 0 and not any(ks[ks.index(0):])
+
+
+def test_a_probe_is_charged_its_requests_whole_backlog():
+    """Probing a held request feeds its backlog: probes of requests with long backlogs cost more
+    of the credit, so fewer of them share a probe step."""
+    n, per_row, pass_s = 32, 0.1, 0.3
+
+    def probed_per_step(lag: int) -> int:
+        c = controller("eagle3", 4, model("eagle3", lambda r: 1.0 + per_row * r, lambda r: pass_s,
+                                          feed=lambda r: 0.002 * r))
+        set_rates(c, "r0", [0.05] * 4)
+        reqs = [PlanRequest(f"r{i}", True, 0, 0, 4, lag) for i in range(n)]
+        return max(sum(1 for k in c.plan(reqs, n).num_propose if k) for _ in range(PROBE_INTERVAL))
+
+    assert probed_per_step(0) > probed_per_step(64) >= 1
 
 
 def test_acceptance_estimates_converge_and_shrink_to_the_engine():

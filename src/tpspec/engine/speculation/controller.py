@@ -14,6 +14,10 @@ the controller scans D = 0, 1, … that way and keeps the D with the most tokens
 near break-even the step-time model's error would decide). A step with prefill rows is long whatever k is,
 so against its own tokens per second every draft would look cheap: there it keeps the D that
 maximizes tokens − λ · seconds, λ the most tokens per second the same sequences make decoding.
+A request held at k = 0 by a drafter that defers its feed (the methods table's ``defers_feed``)
+has a backlog (``PlanRequest.lag``) that it feeds in the step in which it proposes again: a step
+that resumes it is charged that feed spread over ``RESUME_STEPS`` (the drafting it resumes is
+expected to last about that long), and a probe is charged all of it.
 So that the rates of requests held at k = 0 keep being measured, every ``PROBE_INTERVAL``-th
 step requests that have drafted nothing for that long propose one draft each (a probe): all
 probes share one step, and so one drafting pass, the longest idle first, as many as the probe
@@ -53,6 +57,7 @@ MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not conside
 # wrong guess makes every sequence's step longer (EAGLE-3 at 32 sequences on a Zen 4: 1 draft for a
 # third of the sequences, each step 1.11x plain's, 0.94x plain's throughput).
 MIN_SPEEDUP = 1.05
+RESUME_STEPS = PROBE_INTERVAL  # steps a resumed request is expected to draft for: its backlog feed's share per step
 
 
 @dataclass
@@ -64,6 +69,7 @@ class PlanRequest:
     num_held: int  # drafts the ranks hold for it, verifiable this step
     max_verify: int  # most drafts it may verify this step (token budget, max_tokens, max_model_len)
     max_propose: int  # most drafts worth proposing for its next step (max_tokens, max_model_len)
+    lag: int = 0  # tokens its drafter put off (``defers_feed``): fed in the step in which it next proposes
 
 
 @dataclass
@@ -171,6 +177,8 @@ class SpeculationLengthController:
         seconds = [[f[0] + model.feed(model.fed_rows(rows, False)) + model.overhead] for rows, f in shapes]
         fixed = [model.feed(rows) + model.overhead for rows, _ in shapes]  # a step with drafts, less forward and passes
         cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
+        fed = model.fed_rows(real_rows, True)
+        backlog, resume_s = 0, 0.0  # backlog rows of the requests resumed so far, their share of this step
         tokens = [float(base_tokens)]
         order = []
         while heap:
@@ -180,9 +188,12 @@ class SpeculationLengthController:
             order.append(i)
             tokens.append(tokens[-1] - neg_gain)
             cost.add(ks[i])
+            if ks[i] == 0 and reqs[i].lag and self.method.defers_feed:
+                backlog += reqs[i].lag
+                resume_s = (model.feed(fed + backlog) - model.feed(fed)) / RESUME_STEPS
             ks[i] += 1
             for (_, forward), base, secs in zip(shapes, fixed, seconds):
-                secs.append(forward[len(order)] + base + cost.seconds)
+                secs.append(forward[len(order)] + base + cost.seconds + resume_s)
             if ks[i] < len(gains[i]):
                 heapq.heappush(heap, (-float(gains[i][ks[i]]), i))
         tokens_np, step_s = np.asarray(tokens), np.asarray(seconds[0])  # [drafts + 1] by drafts handed out
@@ -216,9 +227,11 @@ class SpeculationLengthController:
         model, seqs = self.step_time, len(reqs)
         plain = model.forward(real_rows, seqs, real_rows == seqs)
 
+        lags = [reqs[i].lag for i in candidates]
+
         def cost(m: int) -> float:  # m probes: the drafting pass now, m more rows verified next step
             passes = sum(model.draft(rows) for rows in self.method.draft_passes([1] * m))  # none for n-gram
-            backlog = model.feed(m * PROBE_INTERVAL) if self.method.defers_feed else 0.0
+            backlog = model.feed(sum(lags[:m]) + m) if self.method.defers_feed else 0.0
             return model.forward(real_rows + m, seqs, False) - plain + passes + backlog
 
         # Unspent credit carries over, up to an interval's earnings and one probe: where a single
