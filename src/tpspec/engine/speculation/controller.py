@@ -57,7 +57,9 @@ MIN_GAIN = 1e-4  # drafts expected to add fewer tokens than this are not conside
 # wrong guess makes every sequence's step longer (EAGLE-3 at 32 sequences on a Zen 4: 1 draft for a
 # third of the sequences, each step 1.11x plain's, 0.94x plain's throughput).
 MIN_SPEEDUP = 1.05
-RESUME_STEPS = PROBE_INTERVAL  # steps a resumed request is expected to draft for: its backlog feed's share per step
+# Steps a resumed request is expected to draft for: its backlog feed's share per step. (At 8
+# requests on a Zen 4, EAGLE-3 bursts resumed at a sixteenth lasted 2-5 steps and lost: 0.91x plain.)
+RESUME_STEPS = 4
 
 
 @dataclass
