@@ -198,7 +198,7 @@ def test_a_lagging_drafter_holds_blocks_back_until_its_request_ends():
     sched.add_request(a)
     _step(sched, lag=18)  # the drafter put the whole prompt off
     assert sched.block_manager.num_cached_blocks == 0
-    _step(sched, lag=0)  # a ends (max_tokens) with its feed flushed: its full blocks are cached
+    _step(sched, lag=0)  # a ends (max_tokens) with its feed settled (fed): its full blocks are cached
     assert a.status.finished and sched.block_manager.num_cached_blocks == 4
 
 

@@ -165,7 +165,7 @@ def test_the_drafters_kv_after_a_hit_equals_a_cold_starts(method, tiny_llama, ti
     an EAGLE-3/MTP head's last row of the shared block reads a different next token). The drafter's
     KV at every computed position of the second request is the same whether its shared blocks came
     from the cache or were computed by itself: prompt rows, chunk boundaries (the chain head's
-    waiting row), decode steps and the feed it put off at its end (flushed)."""
+    waiting row), decode steps and the short feed it put off at its end (fed when it ended)."""
     model = {"mtp": tiny_mtp, "dflash": tiny_dflash, "draft_model": tiny_llama}[method]
     spec = dict(method=method, model=model, num_speculative_tokens=3, adaptive=False)
     rng = random.Random(1)

@@ -195,7 +195,7 @@ def test_chain_head_step_without_drafts_runs_no_head(method, tiny_llama, drafter
     from tpspec.spec_decode.chain_head import ChainHeadProposer
 
     calls = []  # per propose call: (anyone proposing, every sequence sampled, head forwards)
-    runs = [0]  # head forwards so far (an ended request's flush for prefix caching included)
+    runs = [0]  # head forwards so far (an ended request's settled feed for prefix caching included)
     propose, run = ChainHeadProposer._propose, ChainHeadProposer._run
 
     def counting_run(self, *args, **kwargs):
