@@ -3,6 +3,8 @@ keeps the target's distribution (joint of consecutive tokens), while deliberatel
 verifiers, run through the same harness, fail the same statistical test."""
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,6 +67,10 @@ def test_greedy_accepts_the_matching_prefix_then_emits_the_argmax():
     assert isinstance(out, RejectionOutput)
     assert out.num_accepted == expected_accepted
     assert out.output_token_ids == expected
+    # All greedy takes one argmax over every row; the position-by-position path (taken when some
+    # request samples) gives the same.
+    loop = RejectionSampler()(logits, torch.cat(drafts), ks, dataclasses.replace(md, all_greedy=False))
+    assert (loop.num_accepted, loop.output_token_ids) == (expected_accepted, expected)
     assert all(len(o) == a + 1 for o, a in zip(out.output_token_ids, out.num_accepted))
     # Ties go to the lowest id, as in the Sampler.
     plain = Sampler()(logits, md).sampled_token_ids.tolist()

@@ -138,6 +138,8 @@ class RejectionSampler:
         _check_inputs(target_logits, draft_token_ids, num_draft_tokens, metadata, draft_probs, draft_dists)
         if not num_draft_tokens:
             return RejectionOutput([], [])
+        if metadata.all_greedy and draft_probs is None and draft_dists is None:
+            return self._greedy(target_logits, draft_token_ids, num_draft_tokens)
         device = target_logits.device
         k = torch.tensor(list(num_draft_tokens), dtype=torch.int64, device=device)  # [num_requests]
         row_start = torch.cumsum(k + 1, 0) - (k + 1)  # [num_requests]
@@ -171,6 +173,28 @@ class RejectionSampler:
         drafts, starts = draft_token_ids.tolist(), draft_start.tolist()
         counts, extra = num_accepted.tolist(), final.tolist()
         outputs = [drafts[s:s + a] + [f] for s, a, f in zip(starts, counts, extra)]
+        return RejectionOutput(output_token_ids=outputs, num_accepted=counts)
+
+    @staticmethod
+    def _greedy(
+        target_logits: torch.Tensor,  # [num_rows, vocab_size] float, k_i + 1 rows per request
+        draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64
+        num_draft_tokens: Sequence[int],
+    ) -> RejectionOutput:
+        """Every row greedy, greedy drafts: one argmax over all rows (what the position loop takes
+        row by row, the same op, lowest id on ties), then each request keeps its drafts up to the
+        first that differs from its row's argmax and that argmax after them."""
+        top = target_logits.float().argmax(dim=-1).tolist()  # [num_rows]
+        drafts = draft_token_ids.tolist()
+        outputs, counts = [], []
+        row = d = 0
+        for k in num_draft_tokens:
+            a = 0
+            while a < k and drafts[d + a] == top[row + a]:
+                a += 1
+            outputs.append(drafts[d : d + a] + [top[row + a]])
+            counts.append(a)
+            row, d = row + k + 1, d + k
         return RejectionOutput(output_token_ids=outputs, num_accepted=counts)
 
     def _verify_position(
