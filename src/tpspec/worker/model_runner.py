@@ -225,7 +225,7 @@ class ModelRunner:
         if self.speculator is not None:
             wanted = [s.step.num_draft if emitted and not end else 0 for s, emitted, end in zip(seqs, sampled, ended)]
             fed_rows = self._propose(seqs, sampled, wanted, captured, hidden, rows, meta)
-            if self.config.cache.enable_prefix_caching:  # an ended request's blocks are cached with drafter KV
+            if self.config.cache.enable_prefix_caching:  # an ended request's blocks are cached: its backlog settled
                 for s, end in zip(seqs, ended):
                     if end:
                         fed_rows += self.speculator.settle(s.req_id, s.block_table)
