@@ -186,7 +186,7 @@ class Speculator:
 
     def settle(self, req_id: str, block_table: list[int]) -> int:
         """An ended request's deferred feed, so that its blocks can be cached: fed if it is at most
-        ``max_flushed_tokens`` rows (what a drafting request leaves), else given up (a request
+        ``max_flushed_tokens`` rows or k + 1 (what a drafting request leaves), else given up (a request
         held at k = 0: its blocks are cached without drafter KV, rather than every held request
         paying its feed at its end; its drafter context then starts past them). Returns the rows fed."""
         return 0
@@ -256,15 +256,16 @@ class DraftModelSpeculator(Speculator):
     def kept_after_drop(self) -> int:
         """The deferred tokens a drop keeps (the newest)."""
         return max(1, self.max_deferred_tokens // 2)
-    # The most deferred rows an ended request's drafter still feeds (``settle``): what a drafting
-    # request leaves (its last step's), so that its cached blocks keep their drafter KV.
+    # The most deferred rows an ended request's drafter still feeds (``settle``), at least what a
+    # drafting request leaves (its last step's: k + 1), so that its cached blocks keep their
+    # drafter KV (with k pinned, a cache hit then gives the same drafts as none).
     max_flushed_tokens: int = 16
 
     def settle(self, req_id: str, block_table: list[int]) -> int:
         state = self.states[req_id]
         if state.deferred is None:
             return 0
-        if len(state.deferred.positions) > self.max_flushed_tokens:
+        if len(state.deferred.positions) > max(self.max_flushed_tokens, self.num_speculative_tokens + 1):
             state.context_start, state.deferred = state.deferred.positions[-1] + 1, None
             return 0
         return self._feed_deferred(state, block_table)
