@@ -42,6 +42,11 @@ class DeferredContext:
     positions: list[int]  # [n]
     slots: list[int]  # [n] KV cache slots (the request's block table when they were kept)
 
+    def drop_oldest(self, keep: int) -> None:
+        """Keep the newest ``keep`` tokens."""
+        features = torch.cat(self.features)[-keep:]  # a copy: the dropped tokens' features are freed
+        self.features, self.positions, self.slots = [features], self.positions[-keep:], self.slots[-keep:]
+
 
 def slots_of(positions: list[int], block_table: list[int], block_size: int) -> list[int]:
     """KV cache slot of each position of one sequence."""
@@ -132,13 +137,13 @@ class DFlashSpeculator(DraftModelSpeculator):
                 backlog.slots += slots
                 chunks, pos, slots = backlog.features + chunks, backlog.positions, backlog.slots
             if inp.num_drafts[i] == 0 and (len(pos) <= self.max_deferred_tokens or inp.sampled[i]):  # a prefill chunk past it is written
+                deferred = DeferredContext(chunks, pos, slots)
                 if len(pos) > self.max_deferred_tokens:  # the oldest dropped: the drafter's context starts after them
-                    keep = self.kept_after_drop
-                    chunks, pos, slots = [torch.cat(chunks)[-keep:]], pos[-keep:], slots[-keep:]
-                    states[i].context_start = pos[0]
+                    deferred.drop_oldest(self.kept_after_drop)
+                    states[i].context_start = deferred.positions[0]
                 else:
                     chunks[-1] = features.clone()  # a view would keep the step's captured hidden states alive
-                states[i].deferred = DeferredContext(chunks, pos, slots) if pos else None
+                states[i].deferred = deferred if pos else None
                 continue
             ctx_features += chunks
             ctx_pos += pos

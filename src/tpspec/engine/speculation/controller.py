@@ -179,7 +179,6 @@ class SpeculationLengthController:
         seconds = [[f[0] + model.feed(model.fed_rows(rows, False)) + model.overhead] for rows, f in shapes]
         fixed = [model.feed(rows) + model.overhead for rows, _ in shapes]  # a step with drafts, less forward and passes
         cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
-        fed = model.fed_rows(real_rows, True)
         backlog, resume_s = 0, 0.0  # backlog rows of the requests resumed so far, their share of this step
         tokens = [float(base_tokens)]
         order = []
@@ -192,7 +191,8 @@ class SpeculationLengthController:
             cost.add(ks[i])
             if ks[i] == 0 and reqs[i].lag and self.method.defers_feed:
                 backlog += reqs[i].lag
-                resume_s = (model.feed(fed + backlog) - model.feed(fed)) / RESUME_STEPS
+                # beside the step's own feed (its real rows: a step with drafts feeds them all)
+                resume_s = (model.feed(real_rows + backlog) - model.feed(real_rows)) / RESUME_STEPS
             ks[i] += 1
             for (_, forward), base, secs in zip(shapes, fixed, seconds):
                 secs.append(forward[len(order)] + base + cost.seconds + resume_s)

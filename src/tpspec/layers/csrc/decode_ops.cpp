@@ -150,7 +150,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const int64_t row = KVH * d;  // a slot's floats
   const int64_t span_max = (L + 7) / 8 * 8 + 8;  // floats of one query vector's scores
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * C, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(MAX_VECS * span_max);  // per query vector: scores, then probabilities
+    // Per query vector: scores, then probabilities; kept per thread and only grown (every entry
+    // read is written first in the call), not zeroed per call.
+    thread_local std::vector<float> p;
+    if (p.size() < static_cast<size_t>(MAX_VECS * span_max)) p.resize(MAX_VECS * span_max);
     for (int64_t b = b0; b < b1; ++b) {
       const auto [t0, t1] = runs[b / C];
       const std::vector<int64_t>& heads = chunks[b % C];
