@@ -110,17 +110,18 @@ def test_paged_attention_reads_only_each_querys_key_range():
     assert torch.equal(out[5], torch.zeros(64))
 
 
-@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("window", [None, 13, 42])
 def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(window):
     """A query's output depends on its own q, key range and keys only: alone, inside one sequence's run
     of up to 7 queries (a verification, a prefill chunk: the kernel scores a run's queries together,
     each key loaded once for all of them) or beside other sequences, its bits are the same (a max or
     sum shared across the run would keep the values within rounding and change the bits). With a
-    window the queries of a run start at different keys."""
+    window the queries of a run start at different keys (with 42, in different 8-key blocks, and
+    their keys span several of the output loop's tiles)."""
     g = torch.Generator().manual_seed(1)
-    length, d = 70, 64
-    k_cache, v_cache = torch.randn(2, 200, 3, d, generator=g)
-    slots = torch.randperm(200, generator=g)[: 2 * length].view(2, length)
+    length, d = 150, 64
+    k_cache, v_cache = torch.randn(2, 400, 3, d, generator=g)
+    slots = torch.randperm(400, generator=g)[: 2 * length].view(2, length)
     kv_head = torch.arange(9) // 3
     q = torch.randn(7, 9, d, generator=g)
     ends = list(range(length - 6, length + 1))  # a causal run of 7 queries of sequence 0

@@ -80,13 +80,17 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
 //
 // Work items are (a run of consecutive queries of one sequence, up to MAX_HEADS query heads of one
 // KV head): a verification's k + 1 queries or a prefill chunk's read each key of the run's span once
-// from memory for all of the item's query vectors (at most MAX_VECS), not once per query.
+// from memory for all of the item's query vectors (at most MAX_VECS), not once per query, and each
+// value once from memory and then from L1 (the output loop goes over PV_TILE keys at a time for all
+// of them).
 // A query's result depends on its own q, key range and keys alone, never on which queries share its
 // item (batch invariance): each score is the same dot product whatever block its key falls in, its
 // max and sum are its own (8 lanes by key index; its blocks' keys outside its range add exact
-// zeros), and its output sums its own keys in order. d a multiple of 8.
+// zeros), and its output sums its own keys in order within tiles whose bounds are key positions
+// (multiples of PV_TILE), tile by tile. d a multiple of 8.
 static constexpr int64_t MAX_HEADS = 4;
 static constexpr int64_t MAX_VECS = 16;  // query vectors (queries × heads) of one work item
+static constexpr int64_t PV_TILE = 32;  // keys per tile of the output loop (their values: 8 KB at d = 64)
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                               at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
@@ -191,6 +195,15 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         const int64_t u = blk * 8;
         const float* kt[8];
         for (int e = 0; e < 8; ++e) kt[e] = kp + ss[std::min(u + e, span_end - 1)] * row + off;  // past the span: a repeat, masked
+        // Cold caches (a forward's other layers came between): the keys two blocks ahead into L1,
+        // and this block's values into L2 for the output loop below.
+        for (int e = 0; e < 8; ++e) {
+          const int64_t ahead = ss[std::min(u + 16 + e, span_end - 1)] * row + off, here = ss[std::min(u + e, span_end - 1)] * row + off;
+          for (int64_t i = 0; i < d; i += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(kp + ahead + i), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vp + here + i), _MM_HINT_T1);
+          }
+        }
         for (int64_t m = 0; m < M; ++m) {
           if (blk < blo[m] || blk >= bhi[m] || hi[m] == lo[m]) continue;
           __m256 a[8];
@@ -212,6 +225,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           mx8[m] = _mm256_max_ps(mx8[m], _mm256_loadu_ps(pm));
         }
       }
+      float inv[MAX_VECS];  // 1 / Σ of query vector m's probabilities
       for (int64_t m = 0; m < M; ++m) {
         if (hi[m] == lo[m]) continue;
         float lanes[8];
@@ -227,42 +241,59 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           _mm256_storeu_ps(pm + j, e);
           tot = _mm256_add_ps(tot, e);
         }
-        const __m256 inv = _mm256_set1_ps(1.f / hsum(tot));  // >= 1: the largest score's term is 1
-        // The output over the query's keys in order, 64 columns at a time in 8 accumulators the
-        // compiler keeps in registers (an array indexed by a run-time count of vectors it spills).
+        inv[m] = 1.f / hsum(tot);  // >= 1: the largest score's term is 1
         float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
-        const float* pu = pm - 8 * base;  // probability of key u at pu[u]
-        const int64_t whole = d / 64 * 64;
-        for (int64_t i = 0; i < whole; i += 64) {
-          __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-          for (int64_t u = lo[m]; u < hi[m]; ++u) {
-            const float* vt = vp + ss[u] * row + off + i;
-            const __m256 wt = _mm256_broadcast_ss(pu + u);
-            c0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), c0);
-            c1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), c1);
-            c2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), c2);
-            c3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), c3);
-            c4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), c4);
-            c5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), c5);
-            c6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), c6);
-            c7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), c7);
+        std::fill(o, o + d, 0.f);
+      }
+      // The outputs, over tiles of PV_TILE keys from key 0 (their values stay in L1 while every query
+      // vector of the item reads them): per query vector and tile, its keys in order, 64 columns at a
+      // time in 8 accumulators the compiler keeps in registers (an array indexed by a run-time count
+      // of vectors it spills), then added to the output. A query's sums are the same whatever
+      // shares its item: the tiles' bounds are key positions, its keys its own.
+      for (int64_t t = base * 8 / PV_TILE * PV_TILE; t < span_end; t += PV_TILE) {
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t u0 = std::max(lo[m], t), u1 = std::min(hi[m], t + PV_TILE);
+          if (u0 >= u1) continue;
+          float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
+          const float* pu = p.data() + m * span_max - 8 * base;  // probability of key u at pu[u]
+          const int64_t whole = d / 64 * 64;
+          for (int64_t i = 0; i < whole; i += 64) {
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+            for (int64_t u = u0; u < u1; ++u) {
+              const float* vt = vp + ss[u] * row + off + i;
+              const __m256 wt = _mm256_broadcast_ss(pu + u);
+              c0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), c0);
+              c1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), c1);
+              c2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), c2);
+              c3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), c3);
+              c4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), c4);
+              c5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), c5);
+              c6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), c6);
+              c7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), c7);
+            }
+            float* oi = o + i;
+            _mm256_storeu_ps(oi, _mm256_add_ps(_mm256_loadu_ps(oi), c0));
+            _mm256_storeu_ps(oi + 8, _mm256_add_ps(_mm256_loadu_ps(oi + 8), c1));
+            _mm256_storeu_ps(oi + 16, _mm256_add_ps(_mm256_loadu_ps(oi + 16), c2));
+            _mm256_storeu_ps(oi + 24, _mm256_add_ps(_mm256_loadu_ps(oi + 24), c3));
+            _mm256_storeu_ps(oi + 32, _mm256_add_ps(_mm256_loadu_ps(oi + 32), c4));
+            _mm256_storeu_ps(oi + 40, _mm256_add_ps(_mm256_loadu_ps(oi + 40), c5));
+            _mm256_storeu_ps(oi + 48, _mm256_add_ps(_mm256_loadu_ps(oi + 48), c6));
+            _mm256_storeu_ps(oi + 56, _mm256_add_ps(_mm256_loadu_ps(oi + 56), c7));
           }
-          float* oi = o + i;
-          _mm256_storeu_ps(oi, _mm256_mul_ps(c0, inv));
-          _mm256_storeu_ps(oi + 8, _mm256_mul_ps(c1, inv));
-          _mm256_storeu_ps(oi + 16, _mm256_mul_ps(c2, inv));
-          _mm256_storeu_ps(oi + 24, _mm256_mul_ps(c3, inv));
-          _mm256_storeu_ps(oi + 32, _mm256_mul_ps(c4, inv));
-          _mm256_storeu_ps(oi + 40, _mm256_mul_ps(c5, inv));
-          _mm256_storeu_ps(oi + 48, _mm256_mul_ps(c6, inv));
-          _mm256_storeu_ps(oi + 56, _mm256_mul_ps(c7, inv));
+          for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
+            __m256 c = _mm256_setzero_ps();
+            for (int64_t u = u0; u < u1; ++u)
+              c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), _mm256_loadu_ps(vp + ss[u] * row + off + i), c);
+            _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i), c));
+          }
         }
-        for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
-          __m256 c = _mm256_setzero_ps();
-          for (int64_t u = lo[m]; u < hi[m]; ++u)
-            c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), _mm256_loadu_ps(vp + ss[u] * row + off + i), c);
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(c, inv));
-        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        if (hi[m] == lo[m]) continue;
+        float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
+        const __m256 s = _mm256_set1_ps(inv[m]);
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), s));
       }
     }
   });
