@@ -1,5 +1,5 @@
 """tpspec's CPU decode ops (layers.cpu_kernels, csrc/decode_ops.cpp) against PyTorch: the RMSNorm
-with its residual add, and attention of a few queries per sequence over the paged KV cache, each
+with its residual add, the rotary embedding, SwiGLU, and attention of a few queries per sequence over the paged KV cache, each
 over its own key range (grouped and uneven KV heads, scattered slots, windows, head sizes and key
 counts off the kernel's blocks); the layers take them only when loaded and outside autograd."""
 
@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from tpspec.layers import cpu_kernels
+from tpspec.layers.activation import silu_and_mul
 from tpspec.layers.attention import Attention, AttentionMetadata
 from tpspec.layers.norm import RMSNorm
+from tpspec.layers.rotary import RotaryEmbedding, apply_rope
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                 reason=f"no CPU kernels here: {cpu_kernels.unavailable()}")
@@ -27,6 +29,74 @@ def test_add_rms_norm_equals_pytorch(rows, width):
     alone, same = cpu_kernels.kernels().add_rms_norm(x, None, w[0].contiguous(), 1e-6)
     assert same is x
     torch.testing.assert_close(alone, F.rms_norm(x, (width,), w[0], 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (7, 3, 16), (70, 2, 128)])
+def test_rotary_gives_pytorchs_bits_for_strided_heads(rows, heads, d):
+    """The kernel rounds as the PyTorch ops do (two products, then their sum), reading query and key
+    heads in place from a fused projection's output (rows strided past other columns); more rows
+    than a thread's share take both threads."""
+    g = torch.Generator().manual_seed(rows)
+    rope = RotaryEmbedding(d, 4096, 10000.0)
+    qkv = torch.randn(rows, heads * d + 40, generator=g) * 30
+    x = qkv[:, : heads * d].view(rows, heads, d)  # [rows, heads, d], row stride heads·d + 40
+    angles = rope.angles(torch.randint(0, 4096, (rows,), generator=g), torch.float32)
+    out = cpu_kernels.kernels().rotary(x, angles.cos, angles.sin)
+    assert out.is_contiguous()
+    assert torch.equal(out, x * angles.cos + x.roll(d // 2, -1) * angles.sin)
+
+
+def test_apply_rope_takes_the_kernel_only_when_loaded_and_outside_autograd(cpu_kernels_mode, monkeypatch):
+    rope = RotaryEmbedding(64, 128, 10000.0)
+    angles = rope.angles(torch.tensor([3, 70]), torch.float32)
+    x = torch.randn(2, 4, 64)
+    calls = []
+    if cpu_kernels.usable(x) is not None:
+        module = cpu_kernels.kernels()
+
+        class Counting:
+            def rotary(self, *a):
+                calls.append(1)
+                return module.rotary(*a)
+        monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    expected = x * angles.cos + x.roll(32, -1) * angles.sin
+    assert torch.equal(apply_rope(x, angles), expected)
+    assert len(calls) == (1 if cpu_kernels_mode == "cpu-kernels" else 0)
+    x.requires_grad_(True)
+    with torch.enable_grad():
+        apply_rope(x, angles).sum().backward()  # autograd: the PyTorch ops
+    assert len(calls) == (1 if cpu_kernels_mode == "cpu-kernels" else 0) and x.grad is not None
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1536), (3, 8), (40, 64)])
+def test_silu_and_mul_equals_pytorch(rows, width):
+    """Within float32 rounding of F.silu(gate) · up, over gates from −90 to 90 (σ's two branches,
+    exp's underflow), the infinities and NaN included."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * width, generator=g) * 30
+    x[0, :4] = torch.tensor([float("inf"), float("nan"), -90.0, 90.0])
+    out = cpu_kernels.kernels().silu_and_mul(x)
+    expected = F.silu(x[:, :width]) * x[:, width:]
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30, equal_nan=True)
+
+
+def test_silu_and_mul_takes_the_kernel_only_when_loaded_and_outside_autograd(cpu_kernels_mode, monkeypatch):
+    x = torch.randn(2, 32)
+    calls = []
+    if cpu_kernels.usable(x) is not None:
+        module = cpu_kernels.kernels()
+
+        class Counting:
+            def silu_and_mul(self, *a):
+                calls.append(1)
+                return module.silu_and_mul(*a)
+        monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :16]) * x[:, 16:], rtol=2e-6, atol=0)
+    assert len(calls) == (1 if cpu_kernels_mode == "cpu-kernels" else 0)
+    x.requires_grad_(True)
+    with torch.enable_grad():
+        silu_and_mul(x).sum().backward()  # autograd: the PyTorch ops
+    assert len(calls) == (1 if cpu_kernels_mode == "cpu-kernels" else 0) and x.grad is not None
 
 
 def test_rms_norm_layer_takes_the_kernel_only_when_loaded_and_outside_autograd(cpu_kernels_mode, monkeypatch):

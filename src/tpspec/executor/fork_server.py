@@ -186,8 +186,8 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def _run_fork(sock: socket.socket, wakeup: tuple[int, int], payload: bytes, fds: list[int]) -> None:
-    """In a fork: become the requested process."""
+def _run_fork(sock: socket.socket, wakeup: tuple[int, int], payload: bytes, fds: list[int], server: int) -> None:
+    """In a fork of the server (pid ``server``): become the requested process."""
     code = 1
     try:
         sock.close()
@@ -199,9 +199,10 @@ def _run_fork(sock: socket.socket, wakeup: tuple[int, int], payload: bytes, fds:
         os.dup2(fds[2], 2)
         os.close(fds[1])
         os.close(fds[2])
-        parent = os.getppid()
         die_with_parent()
-        if os.getppid() != parent:  # the server exited before the death signal was armed
+        # The server exited before the death signal was armed. Its pid is read before the fork: a
+        # parent read here, after a kill, could already be the process that adopted this one.
+        if os.getppid() != server:
             os._exit(1)
         stream = io.BytesIO(payload)
         sys.path[:] = pickle.load(stream)
@@ -247,9 +248,10 @@ def _serve(sock: socket.socket) -> None:
             if len(header) < _INT.size:
                 header += _recv_exactly(sock, _INT.size - len(header))
             payload = _recv_exactly(sock, _INT.unpack(header)[0])
+            server = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _run_fork(sock, (wake_r, wake_w), payload, fds)
+                _run_fork(sock, (wake_r, wake_w), payload, fds, server)
             status_fds[pid] = fds[0]
             for fd in fds[1:]:
                 os.close(fd)

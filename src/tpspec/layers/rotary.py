@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from tpspec.layers import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -64,5 +66,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim] -> x rotated by its tokens' angles."""
+    """x: [num_tokens, heads, head_dim] -> x rotated by its tokens' angles (float32 on CPU: one call
+    of the kernel ``rotary``, the same bits as the ops below)."""
+    kernels = cpu_kernels.usable(x, rope.cos, rope.sin)
+    if kernels is not None and x.shape[-1] % 16 == 0 and x.stride(-1) == 1:
+        return kernels.rotary(x, rope.cos, rope.sin)
     return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin

@@ -72,6 +72,67 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
   return {out, sum};
 }
 
+// Rotary position embedding, rotate-half layout (layers.rotary.apply_rope): out[t, h] = x[t, h]·cos[t] +
+// roll(x[t, h], d/2)·sin[t], sin's first half negated, rounded as PyTorch's ops round it (the two
+// products, then their sum: no fused multiply-add), one call where PyTorch dispatches four ops and
+// their temporaries (~20 us a layer at one row). x [T, H, d] float32, unit stride along d (any row
+// and head strides: the query and key columns of a fused projection's output); cos, sin [T, d]
+// contiguous. -> [T, H, d] contiguous. d a multiple of 16.
+// SwiGLU (layers.activation.silu_and_mul): x [T, 2·D] = [gate | up] contiguous float32 -> silu(gate)·up
+// [T, D], silu(g) = g·σ(g) with σ(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(−|g|)
+// (exp_nonpositive: within an ulp or two of PyTorch's, not its bits). One call where PyTorch
+// dispatches two ops and a temporary. D a multiple of 8.
+at::Tensor silu_and_mul(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 16 == 0,
+              "x: contiguous float32 [T, 2·D], D a multiple of 8");
+  const int64_t T = x.size(0), D = x.size(1) / 2;
+  auto out = at::empty({T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 g = _mm256_loadu_ps(xp + t * 2 * D + i), u = _mm256_loadu_ps(xp + t * 2 * D + D + i);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(g, sign));  // exp(−|g|)
+        const __m256 num = _mm256_blendv_ps(one, e, g);  // g's sign bit set: e
+        _mm256_storeu_ps(op + t * D + i, _mm256_mul_ps(_mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(one, e))), u));
+      }
+  });
+  return out;
+}
+
+// One head of one token (a function of its own: the attribute must reach the code OpenMP outlines).
+__attribute__((optimize("fp-contract=off"), noinline)) static void rotary_head(
+    const float* x, const float* c, const float* s, float* o, int64_t half) {
+  for (int64_t i = 0; i < half; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);  // roll: b before a
+    _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)), _mm256_mul_ps(b, _mm256_loadu_ps(s + i))));
+    _mm256_storeu_ps(o + half + i, _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
+                                                 _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i))));
+  }
+}
+
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x: float32 [T, H, d], unit stride in d");
+  const int64_t T = x.size(0), H = x.size(1), d = x.size(2);
+  TORCH_CHECK(d % 16 == 0, "the head size must be a multiple of 16");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous()
+              && sin.is_contiguous() && cos.numel() == T * d && sin.numel() == T * d, "cos, sin: contiguous float32 [T, d]");
+  auto out = at::empty({T, H, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        rotary_head(xp + t * row_stride + h * head_stride, cp + t * d, sp + t * d, op + (t * H + h) * d, d / 2);
+  });
+  return out;
+}
+
 // Queries of any number of sequences over the layer's paged KV cache, read in place (no gather):
 // q [T, H, d]; k_cache, v_cache [N, KVH, d] (slots); slots [S, L] int64, the slot of each of sequence
 // s's keys; token_seq [T] int64, the row of slots each query reads; key_range [T, 2] int64, the
