@@ -1,0 +1,77 @@
+"""A target forward (with its LM head) with tpspec's rotary and SwiGLU kernels against the same
+forward with PyTorch's ops for those two steps, alternating in one process (every other forward),
+on the default model at TP 1 and its default quantization: c sequences of ``--context`` tokens,
+``--rows`` new tokens each (1: decode; k + 1: a verification), random ids, the same KV cache.
+Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each.
+
+  python3 benchmarks/bench_forward_ops.py --shapes 1x1 1x4 32x1 --result-file benchmarks/results/forward_ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import types
+
+import torch
+
+from tpspec.bench.machine import machine_info
+from tpspec.layers import activation, rotary
+from tpspec.layers.attention import AttentionMetadata
+
+
+def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int) -> dict:
+    runner = engine.executor.runner
+    model = runner.model
+    block = engine.config.cache.block_size
+    per_seq = -(-(context + 8) // block)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(seqs)]
+    kernels = rotary.cpu_kernels
+    without = types.SimpleNamespace(usable=lambda *tensors: None)  # the layers' PyTorch path
+    times: dict[str, list[float]] = {"kernels": [], "pytorch": []}
+    with torch.inference_mode():
+        for i in range(2 * (forwards + warmup)):
+            kind = "kernels" if i % 2 else "pytorch"
+            rotary.cpu_kernels = activation.cpu_kernels = kernels if kind == "kernels" else without
+            ids = torch.randint(0, model.config.vocab_size, (seqs * rows,))
+            positions = torch.tensor([context - rows + j for _ in range(seqs) for j in range(rows)])
+            t0 = time.perf_counter()
+            md = AttentionMetadata.build([rows] * seqs, [context] * seqs, tables, block, torch.device("cpu"))
+            hidden, _ = model(ids, positions, runner.kv_caches, md)
+            model.compute_logits(hidden)
+            if i >= 2 * warmup:
+                times[kind].append(time.perf_counter() - t0)
+    rotary.cpu_kernels = activation.cpu_kernels = kernels
+    k, p = statistics.median(times["kernels"]), statistics.median(times["pytorch"])
+    return {"seqs": seqs, "rows": rows, "context": context, "kernels_ms": 1e3 * k, "pytorch_ms": 1e3 * p,
+            "pytorch_over_kernels": p / k}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["1x1", "1x4", "32x1"], help="SEQSxROWS")
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--forwards", type=int, default=90)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--result-file")
+    args = p.parse_args()
+    from tpspec.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(max_num_seqs=64)
+    results = []
+    print("| Seqs | Rows a seq | Kernels (ms) | PyTorch ops (ms) | PyTorch / kernels |\n|---|---|---|---|---|")
+    for shape in args.shapes:
+        seqs, rows = (int(v) for v in shape.split("x"))
+        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup)
+        results.append(r)
+        print(f"| {seqs} | {rows} | {r['kernels_ms']:.2f} | {r['pytorch_ms']:.2f} | {r['pytorch_over_kernels']:.3f} |")
+    engine.shutdown()
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({"machine": machine_info(), "args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
