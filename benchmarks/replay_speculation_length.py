@@ -144,7 +144,7 @@ def replay(trace: dict, level: str, spec_dict: dict | None, noise: float, seed: 
         if controller is not None:
             for r, v, a in zip(running, verify, accepted):
                 controller.observe_verification(r.req_id, v, a)
-            controller.observe_step(plan, reqs, step_s, 0.0, 0, step_s, accepted)  # n-gram: no drafter rows
+            controller.observe_step(plan, reqs, step_s, 0.0, 0, step_s)  # n-gram: no drafter rows
         for r, k in zip(running, propose):
             r.drafts = ngram.propose(r.prompt + r.output[:r.emitted], k) if k and r.remaining > 1 else []
         clock += step_s

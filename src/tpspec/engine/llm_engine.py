@@ -183,7 +183,7 @@ class LLMEngine:
                 self.spec_stats.observe(v, accepted)
                 self.controller.observe_verification(r.req_id, v, accepted)
             self.controller.observe_step(
-                plan, plan_reqs, result.target_s, result.drafter_s, result.drafter_fed_rows, step_s, result.num_accepted
+                plan, plan_reqs, result.target_s, result.drafter_s, result.drafter_fed_rows, step_s
             )
         touched = self.scheduler.update(sched, result)
         index = {req.request_id: i for i, req in enumerate(sched.requests)}

@@ -1,8 +1,7 @@
 """The speculation-length controller on synthetic acceptance rates and step-time curves: it picks
 the k per request that maximizes expected tokens per second (checked against brute force), 0 when
 no k pays, follows a static schedule or a pinned k when asked, probes requests held at k = 0,
-holds drafts off where steps with them measured slower than steps without, and its models learn
-what they measure."""
+and its models learn what they measure."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 
 from tpspec.config import SpeculativeConfig
-from tpspec.engine.speculation import realized
 from tpspec.engine.speculation.acceptance import AcceptanceModel
 from tpspec.engine.speculation.controller import (
     MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, RESUME_STEPS, PlanRequest, SpeculationLengthController,
@@ -270,56 +268,6 @@ def test_a_probe_is_charged_its_requests_whole_backlog():
         return max(sum(1 for k in c.plan(reqs, n).num_propose if k) for _ in range(PROBE_INTERVAL))
 
     assert probed_per_step(0) > probed_per_step(64) >= 1
-
-
-def test_realized_rates_hold_drafts_off_where_they_measured_slower():
-    r = realized.RealizedRates()
-    for _ in range(realized.MIN_STEPS - 1):
-        r.observe(8, True, 10, 1.0)  # 10 tokens/s with drafts
-        r.observe(8, False, 8, 0.5)  # 16 without
-    assert r.allows_drafts(8)  # too few steps of each kind yet
-    r.observe(8, True, 10, 1.0)
-    r.observe(8, False, 8, 0.5)
-    assert r.allows_drafts(4) and not r.allows_drafts(8) and r.num_holds == 1  # per batch size
-    for _ in range(realized.HOLD_STEPS - 1):
-        r.tick()
-        assert not r.allows_drafts(8)
-    r.tick()
-    assert r.allows_drafts(8) and r.rate(8, True) is None and r.rate(8, False) == 16.0  # drafting measured anew
-    for _ in range(realized.MIN_STEPS):
-        r.observe(8, True, 20, 1.0)  # 20 tokens/s: faster than without
-    assert r.allows_drafts(8) and r.num_holds == 1
-    for _ in range(realized.WINDOW):  # only the last WINDOW steps count
-        r.observe(8, True, 15, 1.0)
-    assert r.rate(8, True) == 15.0
-
-
-def test_the_controller_stops_drafting_where_steps_with_drafts_measured_slower():
-    """The step-time model predicts one draft pays (2x); the measured steps say otherwise: steps of
-    decodes with drafts made fewer tokens per second than steps without. Steps with prefill rows
-    and probe steps count for neither kind."""
-    def run(with_drafts_s: float) -> tuple[list[int], SpeculationLengthController]:
-        c = controller("eagle3", 4, model("eagle3", lambda r: 1.0, lambda r: 0.01))
-        set_rates(c, "r0", [0.9] * 4)
-        decoding = [PlanRequest("r0", True, 1, 1, 4), PlanRequest("r1", True, 1, 1, 4)]
-        prefilling = [PlanRequest("r0", True, 1, 1, 4), PlanRequest("r1", False, 0, 0, 4)]
-        for _ in range(40):
-            plan = c.plan(prefilling, 30)  # a prefill chunk: long, never counted
-            c.observe_step(plan, prefilling, 9.0, 0.0, 0, 9.0, [1, 0])
-            plan = c.plan(decoding, 2)
-            assert any(plan.num_propose)
-            c.observe_step(plan, decoding, 1.0, 0.0, 0, with_drafts_s, [1, 1])  # 4 tokens
-        for _ in range(realized.MIN_STEPS):  # steps without drafts: 2 tokens in 1 s
-            plan = c.plan(decoding, 2)
-            plan.num_verify, plan.num_propose, plan.target_rows = [0, 0], [0, 0], 2
-            c.observe_step(plan, decoding, 1.0, 0.0, 0, 1.0, [0, 0])
-        return [sum(c.plan(decoding, 2).num_propose) for _ in range(2 * PROBE_INTERVAL)], c
-
-    proposed, c = run(with_drafts_s=1.5)  # 2.7 tokens/s against 2
-    assert all(proposed) and c.realized.num_holds == 0
-    proposed, c = run(with_drafts_s=2.5)  # 1.6 tokens/s against 2
-    assert c.realized.num_holds == 1 and c.as_dict()["realized_rate_holds"] == 1
-    assert sum(1 for p in proposed if p) <= 2  # probes only: one every PROBE_INTERVAL steps
 
 
 def test_acceptance_estimates_converge_and_shrink_to_the_engine():

@@ -26,10 +26,6 @@ carries over up to an interval's earnings and one probe's cost, so probes cost a
 ``PROBE_BUDGET`` of the engine's time: where one probe costs more than an interval earns (a
 drafting pass beside a single fast decode), probe steps come less often than every interval.
 
-The steps themselves are compared too (``realized.RealizedRates``): per batch size, where steps of
-decodes with drafts measured fewer tokens per second than steps without, that batch size drafts
-nothing for a while (probes aside), whatever the step-time model predicts.
-
 n-gram drafts cost no drafter work (the methods table's ``free_proposal``), so there is no steady state to
 plan for: adaptive, every request proposes all the drafts it may, and each step the controller
 chooses how many of the drafts each request holds to verify (a lookup that found nothing takes
@@ -50,7 +46,6 @@ import numpy as np
 
 from tpspec.config import SpeculativeConfig
 from tpspec.engine.speculation.acceptance import AcceptanceModel
-from tpspec.engine.speculation.realized import RealizedRates
 from tpspec.config.speculative_methods import BLOCK, LOOKUP, SpeculativeMethod
 from tpspec.engine.speculation.step_time import StepTimeModel
 
@@ -86,7 +81,6 @@ class Plan:
     target_rows: int  # rows of the target's forward
     decode_only: bool  # every request feeds one token and verifies none (step_time: no verify jump)
     predicted_s: float | None  # the step-time model's prediction (adaptive only)
-    probing: bool = False  # probes propose, or their drafts are verified (adaptive only)
 
 
 class SpeculationLengthController:
@@ -102,7 +96,6 @@ class SpeculationLengthController:
         self._probing: set[str] = set()
         self._num_plans = 0
         self._probe_credit = 0.0  # seconds of probing earned: PROBE_BUDGET of every step's predicted time
-        self.realized = RealizedRates() if spec.adaptive else None
         # Adaptive n-gram drafts cost nothing to propose: every request proposes the most it may,
         # and the controller chooses how many of the drafts it holds to verify.
         self.free_proposals = spec.adaptive and self.method.free_proposal
@@ -116,11 +109,7 @@ class SpeculationLengthController:
     def plan(self, reqs: list[PlanRequest], real_rows: int) -> Plan:
         """k for every scheduled request; ``real_rows``: the step's real (non-draft) tokens."""
         if self.spec.adaptive:
-            self.realized.tick()
-            if self.realized.allows_drafts(len(reqs)):
-                ks = self._adaptive_ks(reqs, real_rows)
-            else:
-                ks = [0] * len(reqs)
+            ks = self._adaptive_ks(reqs, real_rows)
         else:
             k = self.spec.k_for_batch_size(len(reqs))
             ks = [k if r.samples else 0 for r in reqs]
@@ -129,7 +118,6 @@ class SpeculationLengthController:
         probes = set()
         if self.spec.adaptive and self._num_plans % PROBE_INTERVAL == 0:
             probes = self._choose_probes(reqs, ks, real_rows)
-        probing = bool(probes)
         for i, (r, k) in enumerate(zip(reqs, ks)):
             if not r.samples:
                 verify.append(0)
@@ -142,7 +130,6 @@ class SpeculationLengthController:
                 chosen = verify[-1]
             else:
                 wanted = r.num_held if r.req_id in self._probing else k
-                probing = probing or (r.req_id in self._probing and min(r.num_held, r.max_verify) > 0)
                 self._probing.discard(r.req_id)
                 verify.append(max(0, min(wanted, r.num_held, r.max_verify)))
                 propose.append(min(k, r.max_propose))
@@ -161,7 +148,7 @@ class SpeculationLengthController:
             ks_sampling = [p for p, r in zip(propose, reqs) if r.samples]
             predicted = self.step_time.predict(target_rows, len(reqs), real_rows, ks_sampling, decode_only)
             self._probe_credit += PROBE_BUDGET * predicted
-        return Plan(verify, propose, target_rows, decode_only, predicted, probing)
+        return Plan(verify, propose, target_rows, decode_only, predicted)
 
     def _adaptive_ks(self, reqs: list[PlanRequest], real_rows: int) -> list[int]:
         model = self.step_time
@@ -265,17 +252,12 @@ class SpeculationLengthController:
 
     def observe_step(
         self, plan: Plan, reqs: list[PlanRequest], target_s: float, drafter_s: float, drafter_fed_rows: int,
-        step_s: float, num_accepted: list[int] | None = None,
+        step_s: float,
     ) -> None:
-        """A step's measured phase times and the rows its drafter fed (from rank 0), its wall time
-        (on the driver), and the drafts each request accepted (None: none)."""
+        """A step's measured phase times and the rows its drafter fed (from rank 0), and its wall
+        time (on the driver)."""
         self.num_timed_steps += 1
         self.measured_s_total += step_s
-        if self.realized is not None and not plan.probing and all(r.samples for r in reqs) \
-                and plan.target_rows - sum(plan.num_verify) == len(reqs):  # decodes alone
-            drafted = any(plan.num_verify) or any(plan.num_propose)
-            tokens = len(reqs) + (sum(num_accepted) if num_accepted else 0)
-            self.realized.observe(len(reqs), drafted, tokens, step_s)
         if self.step_time is None:
             return
         self.predicted_s_total += plan.predicted_s or 0.0
@@ -301,8 +283,6 @@ class SpeculationLengthController:
             "num_timed_steps": self.num_timed_steps,
             "step_time_measured_s_total": self.measured_s_total,
         }
-        if self.realized is not None:
-            out["realized_rate_holds"] = self.realized.num_holds
         if self.step_time is not None:
             out["step_time_predicted_s_total"] = self.predicted_s_total
             out["step_time_model"] = self.step_time.as_dict()
