@@ -39,7 +39,6 @@ budget, ``max_tokens`` and ``max_model_len`` leave.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,21 +153,28 @@ class SpeculationLengthController:
         model = self.step_time
         rates = self.acceptance.engine_rates()
         ks = [0] * len(reqs)
-        gains = {}
-        heap: list[tuple[float, int]] = []
+        caps = np.zeros(len(reqs), dtype=np.int64)  # drafts worth considering per request
         for i, r in enumerate(reqs):
             if self.free_proposals:  # the drafts held now are what this step verifies
                 cap = min(r.num_held, r.max_verify)
             else:  # steady state: k proposed now, verified next step (near its end a request may
                 # verify one draft more than it may propose)
                 cap = max(r.max_propose, min(r.num_held, r.max_verify))
-            if r.samples and cap > 0:
-                gains[i] = self.acceptance.marginal_gains(r.req_id, rates)[:cap]
-                heapq.heappush(heap, (-float(gains[i][0]), i))
+            caps[i] = min(cap, self.max_k) if r.samples else 0
+        considered = np.flatnonzero(caps > 0)  # [m] requests
         base_tokens = sum(r.samples for r in reqs)
-        if not heap or base_tokens == 0:
+        if not len(considered) or base_tokens == 0:
             return ks
-        most = sum(len(g) for g in gains.values())
+        gains = self.acceptance.marginal_gains_of([reqs[i].req_id for i in considered], rates)  # [m, max_k]
+        offered = np.arange(self.max_k)[None, :] < caps[considered][:, None]  # [m, max_k]
+        most = int(offered.sum())
+        # Drafts handed out one at a time to the largest next gain: a request's gains fall with its
+        # draft index j, so that is every draft worth MIN_GAIN in order of gain (ties: the lower
+        # request index, then the earlier draft), arrays over the drafts so handed out.
+        row, draft_of = np.nonzero(offered & (gains >= MIN_GAIN))
+        req_of, gain = considered[row], gains[row, draft_of]
+        order = np.lexsort((draft_of, req_of, -gain))
+        req_of, draft_of, gain = req_of[order], draft_of[order], gain[order]  # [n] by hand-out
         seqs = len(reqs)
         # Seconds of the step by drafts verified, and of the same sequences decoding one token
         # each (the same step where it has no prefill rows): without drafts a step of decodes
@@ -176,29 +182,19 @@ class SpeculationLengthController:
         shapes = [(real_rows, model.forward_by_drafts(real_rows, seqs, most))]
         if real_rows != seqs:
             shapes.append((seqs, model.forward_by_drafts(seqs, seqs, most)))
-        seconds = [[f[0] + model.feed(model.fed_rows(rows, False)) + model.overhead] for rows, f in shapes]
-        fixed = [model.feed(rows) + model.overhead for rows, _ in shapes]  # a step with drafts, less forward and passes
-        cost = _DraftCost(self.method, model.draft.at(np.arange(most + len(gains) + 1)).tolist())
-        backlog, resume_s = 0, 0.0  # backlog rows of the requests resumed so far, their share of this step
-        tokens = [float(base_tokens)]
-        order = []
-        while heap:
-            neg_gain, i = heapq.heappop(heap)
-            if -neg_gain < MIN_GAIN:
-                break
-            order.append(i)
-            tokens.append(tokens[-1] - neg_gain)
-            cost.add(ks[i])
-            if ks[i] == 0 and reqs[i].lag and self.method.defers_feed:
-                backlog += reqs[i].lag
-                # beside the step's own feed (its real rows: a step with drafts feeds them all)
-                resume_s = (model.feed(real_rows + backlog) - model.feed(real_rows)) / RESUME_STEPS
-            ks[i] += 1
-            for (_, forward), base, secs in zip(shapes, fixed, seconds):
-                secs.append(forward[len(order)] + base + cost.seconds + resume_s)
-            if ks[i] < len(gains[i]):
-                heapq.heappush(heap, (-float(gains[i][ks[i]]), i))
-        tokens_np, step_s = np.asarray(tokens), np.asarray(seconds[0])  # [drafts + 1] by drafts handed out
+        passes = _draft_seconds(self.method, model.draft.at(np.arange(most + len(considered) + 1)), draft_of)  # [n]
+        resume = np.zeros(len(gain))  # [n] the resumed requests' backlog feed, their share of this step
+        if self.method.defers_feed and any(reqs[i].lag for i in considered):
+            backlog = np.cumsum(np.where(draft_of == 0, [reqs[i].lag for i in req_of], 0))
+            fed = model.feed.at(np.concatenate([[real_rows], real_rows + backlog]))  # beside the step's own feed
+            resume = np.where(backlog > 0, (fed[1:] - fed[0]) / RESUME_STEPS, 0.0)
+        seconds = []
+        for rows, forward in shapes:
+            none = forward[0] + model.feed(model.fed_rows(rows, False)) + model.overhead
+            some = forward[1 : len(gain) + 1] + (model.feed(rows) + model.overhead) + passes + resume
+            seconds.append(np.concatenate([[none], some]))  # [n + 1]
+        tokens_np = np.cumsum(np.concatenate([[float(base_tokens)], gain]))  # [n + 1]
+        step_s = seconds[0]
         if len(shapes) == 1:  # the step repeats as it is: the most tokens per second
             speed = tokens_np / step_s
             best_drafts = int(np.argmax(speed))
@@ -211,10 +207,7 @@ class SpeculationLengthController:
             worth = value[best_drafts] - value[0] >= (MIN_SPEEDUP - 1.0) * tokens_np[0]  # net of their time
         if not worth:
             best_drafts = 0
-        ks = [0] * len(reqs)
-        for i in order[:best_drafts]:
-            ks[i] += 1
-        return ks
+        return np.bincount(req_of[:best_drafts], minlength=len(reqs)).tolist()
 
     def _choose_probes(self, reqs: list[PlanRequest], ks: list[int], real_rows: int) -> set[int]:
         """Indices of the requests that probe this step (see the module's docstring)."""
@@ -289,27 +282,17 @@ class SpeculationLengthController:
         return out
 
 
-class _DraftCost:
-    """The drafting passes' seconds as drafts are handed out one at a time (``SpeculativeMethod.draft_passes``,
-    kept incrementally); ``pass_s[r]``: one pass over r rows."""
-
-    def __init__(self, method: SpeculativeMethod, pass_s: list[float]):
-        self.method, self.pass_s = method, pass_s
-        self.rows = 0  # block drafting: rows of the one block pass
-        self.pass_rows: list[int] = []  # chains: rows of pass j
-        self.seconds = 0.0
-
-    def add(self, k_before: int) -> None:
-        """One more draft for a request that had ``k_before``."""
-        if self.method.drafting == LOOKUP:
-            return
-        if self.method.drafting == BLOCK:
-            old = self.rows
-            self.rows += 2 if k_before == 0 else 1
-            self.seconds += self.pass_s[self.rows] - self.pass_s[old]
-            return
-        if k_before == len(self.pass_rows):
-            self.pass_rows.append(0)
-        old = self.pass_rows[k_before]
-        self.pass_rows[k_before] += 1
-        self.seconds += self.pass_s[old + 1] - self.pass_s[old]
+def _draft_seconds(method: SpeculativeMethod, pass_s: np.ndarray, draft_of: np.ndarray) -> np.ndarray:
+    """Seconds of the drafting passes after each of the drafts handed out (``draft_of[d]``: the
+    index j of draft d within its request), as ``SpeculativeMethod.draft_passes`` makes them;
+    ``pass_s[r]``: one pass over r rows. -> [len(draft_of)]."""
+    if method.drafting == LOOKUP:
+        return np.zeros(len(draft_of))
+    if method.drafting == BLOCK:  # one block pass: a request's first draft adds 2 rows, each later one 1
+        return pass_s[np.cumsum(np.where(draft_of == 0, 2, 1))]
+    # chains: pass j has a row per request with a draft j; each draft makes its pass one row longer
+    if not len(draft_of):
+        return np.zeros(0)
+    of_pass = draft_of[:, None] == np.arange(int(draft_of.max()) + 1)[None, :]  # [n, passes]
+    before = (np.cumsum(of_pass, axis=0) - of_pass)[np.arange(len(draft_of)), draft_of]  # [n] rows pass j had before draft d
+    return np.cumsum(pass_s[before + 1] - pass_s[before])
