@@ -111,16 +111,19 @@ def test_layers_pack_exact_weights_as_q4_1_and_the_rest_as_fp16():
 def test_a_drafters_own_weights_are_rounded_to_q4_1_and_packed_so_the_targets_untouched():
     target = LinearBase(96, 64, False, torch.float32)
     own, narrow = LinearBase(96, 64, False, torch.float32), LinearBase(40, 8, False, torch.float32)  # 40: no Q4_1 groups
-    row_split = RowParallelLinear(96, 64, False, torch.float32)  # its input is what TP splits
-    layers = {"target": target, "own": own, "narrow": narrow, "row_split": row_split}
+    row_split = RowParallelLinear(96, 64, False, torch.float32)  # its input is what TP splits: from 0, whole groups
+    cut = RowParallelLinear(96, 64, False, torch.float32, input_range=(16, 80))  # a slice that cuts groups
+    layers = {"target": target, "own": own, "narrow": narrow, "row_split": row_split, "cut": cut}
     with torch.no_grad():
         for layer in layers.values():
             layer.weight.normal_()
     before = {name: layer.weight.clone() for name, layer in layers.items()}
-    drafter = nn.ModuleList([own, narrow, row_split, target])  # the target's layer borrowed by the drafter
-    assert round_drafter_to_q4_1(drafter, nn.ModuleList([target])) == 1
-    for name in ("target", "narrow", "row_split"):
+    drafter = nn.ModuleList([own, narrow, row_split, cut, target])  # the target's layer borrowed by the drafter
+    assert round_drafter_to_q4_1(drafter, nn.ModuleList([target])) == 2
+    for name in ("target", "narrow", "cut"):
         assert torch.equal(layers[name].weight, before[name]), name
-    assert torch.equal(own.weight, round_to_q4_1(before["own"])) and not torch.equal(own.weight, before["own"])
+    for name in ("own", "row_split"):
+        assert torch.equal(layers[name].weight, round_to_q4_1(before[name])), name
+        assert not torch.equal(layers[name].weight, before[name]), name
     pack_cpu_weights(drafter, "q4_1")
     assert [packed_weight_of(layer.weight).format for layer in (own, target)] == ["q4_1", "fp16"]

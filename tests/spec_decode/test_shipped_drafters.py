@@ -51,7 +51,8 @@ def test_only_the_shipped_eagle3_heads_are_rounded(tmp_path):
 
 def test_the_shipped_head_is_rounded_to_q4_1_alike_at_every_tp_size(monkeypatch):
     """Under q4_1 (the default where the kernels build) a shipped drafter's own weights are rounded
-    to Q4_1, row-parallel layers aside: the same drafts at TP 1 and 2 (sharding invariance)."""
+    to Q4_1, row-parallel layers too where their input slice starts on a group boundary (the
+    shipped head's do at TP 1 and 2): the same drafts at TP 1 and 2 (sharding invariance)."""
     from tpspec.layers import cpu_kernels
     from tpspec.layers.q4_1 import quantize_exact
     from tpspec.spec_decode.eagle import Eagle3Proposer
@@ -75,7 +76,8 @@ def test_the_shipped_head_is_rounded_to_q4_1_alike_at_every_tp_size(monkeypatch)
             if tp == 1:
                 head = llm.llm_engine.executor.runner.speculator.model
                 assert quantize_exact(head.fc.weight) is not None and quantize_exact(head.lm_head.weight) is not None
-                assert quantize_exact(head.midlayer.self_attn.o_proj.weight) is None  # row-parallel: as loaded
+                assert quantize_exact(head.midlayer.self_attn.o_proj.weight) is not None  # row-parallel, whole groups
+                assert quantize_exact(head.midlayer.mlp.down_proj.weight) is not None
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         drafts[tp] = list(recorded)
     assert sum(len(d) for step in drafts[1] for d in step) > 30
