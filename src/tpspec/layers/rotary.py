@@ -69,6 +69,7 @@ def apply_rope(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim] -> x rotated by its tokens' angles (float32 on CPU: one call
     of the kernel ``rotary``, the same bits as the ops below)."""
     kernels = cpu_kernels.usable(x, rope.cos, rope.sin)
-    if kernels is not None and x.shape[-1] % 16 == 0 and x.stride(-1) == 1:
+    if (kernels is not None and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and rope.cos.is_contiguous()
+            and rope.sin.is_contiguous() and rope.cos.numel() == rope.sin.numel() == x.shape[0] * x.shape[-1]):
         return kernels.rotary(x, rope.cos, rope.sin)
     return x * rope.cos + x.roll(x.shape[-1] // 2, -1) * rope.sin
