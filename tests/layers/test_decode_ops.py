@@ -19,6 +19,25 @@ pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                 reason=f"no CPU kernels here: {cpu_kernels.unavailable()}")
 
 
+def _count_calls(monkeypatch, op: str) -> list:
+    """The argument tuples of every later call of the loaded kernels' ``op`` (none where they are
+    not loaded: the layers then take their PyTorch path)."""
+    module, calls = cpu_kernels._MODULE, []
+    if module is not None:
+        class Counting:
+            def __getattr__(self, name):
+                fn = getattr(module, name)
+                if name != op:
+                    return fn
+
+                def counted(*args):
+                    calls.append(args)
+                    return fn(*args)
+                return counted
+        monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    return calls
+
+
 @pytest.mark.parametrize("rows,width", [(1, 576), (5, 64), (3, 8)])
 def test_add_rms_norm_equals_pytorch(rows, width):
     g = torch.Generator().manual_seed(rows)
@@ -50,15 +69,7 @@ def test_apply_rope_takes_the_kernel_only_when_loaded_and_outside_autograd(cpu_k
     rope = RotaryEmbedding(64, 128, 10000.0)
     angles = rope.angles(torch.tensor([3, 70]), torch.float32)
     x = torch.randn(2, 4, 64)
-    calls = []
-    if cpu_kernels.usable(x) is not None:
-        module = cpu_kernels.kernels()
-
-        class Counting:
-            def rotary(self, *a):
-                calls.append(1)
-                return module.rotary(*a)
-        monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    calls = _count_calls(monkeypatch, "rotary")
     expected = x * angles.cos + x.roll(32, -1) * angles.sin
     assert torch.equal(apply_rope(x, angles), expected)
     assert len(calls) == (1 if cpu_kernels_mode == "cpu-kernels" else 0)
@@ -82,15 +93,7 @@ def test_silu_and_mul_equals_pytorch(rows, width):
 
 def test_silu_and_mul_takes_the_kernel_only_when_loaded_and_outside_autograd(cpu_kernels_mode, monkeypatch):
     x = torch.randn(2, 32)
-    calls = []
-    if cpu_kernels.usable(x) is not None:
-        module = cpu_kernels.kernels()
-
-        class Counting:
-            def silu_and_mul(self, *a):
-                calls.append(1)
-                return module.silu_and_mul(*a)
-        monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    calls = _count_calls(monkeypatch, "silu_and_mul")
     torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :16]) * x[:, 16:], rtol=2e-6, atol=0)
     assert len(calls) == (1 if cpu_kernels_mode == "cpu-kernels" else 0)
     x.requires_grad_(True)
@@ -103,16 +106,7 @@ def test_rms_norm_layer_takes_the_kernel_only_when_loaded_and_outside_autograd(c
     norm = RMSNorm(64, 1e-5)
     norm.weight.data.normal_()
     x, residual = torch.randn(4, 64), torch.randn(4, 64)
-    calls = []
-    if cpu_kernels.usable(x) is not None:
-        module = cpu_kernels.kernels()
-
-        class Counting:
-            def add_rms_norm(self, *args):
-                calls.append(args)
-                return module.add_rms_norm(*args)
-
-        monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    calls = _count_calls(monkeypatch, "add_rms_norm")
     out, total = norm(x, residual)
     torch.testing.assert_close(out, F.rms_norm(x + residual, (64,), norm.weight, 1e-5), rtol=1e-6, atol=1e-6)
     assert torch.equal(total, x + residual)
@@ -229,14 +223,8 @@ def test_paged_attention_refuses_indices_outside_its_inputs(slots, token_seq, ke
 
 
 def test_attention_layer_takes_the_kernel_for_every_float32_step(monkeypatch):
-    module, calls = cpu_kernels.kernels(), []
-
-    class Counting:
-        def paged_attention(self, *args):
-            calls.append(args)
-            return module.paged_attention(*args)
-
-    monkeypatch.setattr(cpu_kernels, "_MODULE", Counting())
+    cpu_kernels.kernels()  # loaded
+    calls = _count_calls(monkeypatch, "paged_attention")
     attn = Attention(4, 2, 16, torch.tensor([0, 0, 1, 1]))
     cache = (torch.randn(128, 2, 16), torch.randn(128, 2, 16))
     for query_lens in ([1, 1], [4, 1], [16, 1], [17, 1], [21, 9]):  # decodes, verification, prefill chunks

@@ -251,15 +251,17 @@ class DraftModelSpeculator(Speculator):
     # context starts after them (``DraftState.context_start``): a request held at k = 0 costs
     # the drafter nothing, and one that proposes again feeds at most this many rows first.
     max_deferred_tokens: int = 64
+    # The most deferred rows an ended request's drafter still feeds (``settle``), at least what a
+    # drafting request leaves (its last step's: k + 1), so that its cached blocks keep their
+    # drafter KV (with k pinned, a cache hit then gives the same drafts as none).
+    max_flushed_tokens: int = 16
+    # True when the draft tokens come from a whole (unsharded) LM head on every rank.
+    replicated_lm_head: bool = False
 
     @property
     def kept_after_drop(self) -> int:
         """The deferred tokens a drop keeps (the newest)."""
         return max(1, self.max_deferred_tokens // 2)
-    # The most deferred rows an ended request's drafter still feeds (``settle``), at least what a
-    # drafting request leaves (its last step's: k + 1), so that its cached blocks keep their
-    # drafter KV (with k pinned, a cache hit then gives the same drafts as none).
-    max_flushed_tokens: int = 16
 
     def settle(self, req_id: str, block_table: list[int]) -> int:
         state = self.states[req_id]
@@ -273,8 +275,6 @@ class DraftModelSpeculator(Speculator):
     def _feed_deferred(self, state: DraftState, block_table: list[int]) -> int:
         """Feed the request's whole deferred backlog now (``settle``); returns the rows fed."""
         raise NotImplementedError
-    # True when the draft tokens come from a whole (unsharded) LM head on every rank.
-    replicated_lm_head: bool = False
 
     @property
     def replicated_draft(self) -> bool:
