@@ -50,6 +50,7 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None, fi
         ([1, 7, 2, 1, 16, 3], [9, 20, 5, 30, 18, 12], None),  # groups out of step order, padded within each
         ([1, 6], [4, 25], None),  # one decode beside a longer context: its keys are padded
         ([4, 1, 3], [9, 14, 7], [4, 0, 3]),  # non-causal draft blocks (DFlash)
+        ([1, 1], [9, 14], [1, 0]),  # one query a sequence with and without a tail: decodes either way
     ],
 )
 @pytest.mark.parametrize("consecutive", [False, True])

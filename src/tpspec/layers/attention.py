@@ -257,15 +257,23 @@ class AttentionMetadata:
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
         # The new tokens' slots, in token order.
-        token_seq = np.repeat(np.arange(num_seqs), qlen)  # [num_tokens]
-        starts = np.cumsum(qlen) - qlen  # [num_seqs] first token of each sequence
-        token_pos = (ctx - qlen)[token_seq] + np.arange(num_tokens) - starts[token_seq]
+        decode_only = max(query_lens) == 1 and num_tokens == num_seqs  # one query a sequence
+        if decode_only:  # a decode step or a chain pass: the sequences' order is the tokens'
+            token_seq, starts = np.arange(num_seqs), np.arange(num_seqs)
+            order = starts
+            token_pos = ctx - 1
+            classes = [query_length_class(1)] * num_seqs
+        else:
+            token_seq = np.repeat(np.arange(num_seqs), qlen)  # [num_tokens]
+            starts = np.cumsum(qlen) - qlen  # [num_seqs] first token of each sequence
+            token_pos = (ctx - qlen)[token_seq] + np.arange(num_tokens) - starts[token_seq]
+            classes = [query_length_class(n) for n in query_lens]
+            order = np.asarray(sorted(range(num_seqs), key=classes.__getitem__), dtype=np.int64)  # stable within a class
         slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-        classes = [query_length_class(n) for n in query_lens]
-        order = np.asarray(sorted(range(num_seqs), key=classes.__getitem__), dtype=np.int64)  # stable within a class
         pos = np.arange(max_ctx)
-        slots = tables[order][:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
-        key_valid = pos[None, :] < ctx[order][:, None]
+        ordered_tables, ordered_ctx = (tables, ctx) if decode_only else (tables[order], ctx[order])
+        slots = ordered_tables[:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
+        key_valid = pos[None, :] < ordered_ctx[:, None]
         first = None
         if first_keys is not None and any(first_keys):
             first = np.asarray(first_keys, dtype=np.int64)
@@ -275,9 +283,12 @@ class AttentionMetadata:
         context_slots = np.where(key_valid, slots, 0)
         # Per token: its sequence's row of context_slots and the keys it sees (causal; a
         # non-causal tail sees the whole block).
-        row_of_seq = np.empty(num_seqs, dtype=np.int64)
-        row_of_seq[order] = np.arange(num_seqs)
-        key_end = np.where(token_pos >= (ctx - tail)[token_seq], ctx[token_seq], token_pos + 1)
+        if decode_only:  # a lone query sees every key up to its own, a non-causal tail or not
+            row_of_seq, key_end = token_seq, ctx + 0
+        else:
+            row_of_seq = np.empty(num_seqs, dtype=np.int64)
+            row_of_seq[order] = np.arange(num_seqs)
+            key_end = np.where(token_pos >= (ctx - tail)[token_seq], ctx[token_seq], token_pos + 1)
         contiguous = None
         if num_seqs == 1 and first is None:
             table = block_tables[0][: -(-max_ctx // block_size)]
@@ -290,13 +301,14 @@ class AttentionMetadata:
         return cls(
             slot_mapping=tensor(slot_mapping),
             context_slots=tensor(context_slots),
-            decode_only=max(query_lens) == 1,
-            token_seq=tensor(row_of_seq[token_seq]),
+            decode_only=decode_only,
+            token_seq=tensor(row_of_seq if decode_only else row_of_seq[token_seq]),
             token_pos=tensor(token_pos),
             key_end=tensor(key_end),
             key_first=None if first is None else tensor(first[token_seq]),
             contiguous_slots=contiguous,
-            _group_plan=_GroupPlan(qlen, ctx, tail, starts, order, [classes[i] for i in order], key_valid, device),
+            _group_plan=_GroupPlan(qlen, ctx, tail, starts, order, classes if decode_only else [classes[i] for i in order],
+                                   key_valid, device),
         )
 
     @classmethod

@@ -26,6 +26,7 @@ from torch import nn
 
 from tpspec.config import ModelArchConfig, read_config_json
 from tpspec.distributed.parallel_state import get_tp_rank, get_tp_size, single_rank
+from tpspec.layers.argmax import argmax_rows
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.layers.linear import QKVParallelLinear, ReplicatedLinear
 from tpspec.layers.logits import LogitsProcessor
@@ -245,8 +246,9 @@ class Eagle3LlamaForCausalLM(nn.Module):
         draft ids, so ties agree; a row of all -inf logits aside) without filling a full-vocabulary
         row. ``bitmask`` ([num_rows, words] over target ids): the argmax of the allowed ones."""
         logits = self.logits_processor.compute_logits(self.lm_head, hidden, site)  # [num_rows, draft_vocab]
-        token_bitmask.apply(logits, bitmask, self.target_ids, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
-        return self.target_ids[logits.argmax(-1)]
+        if bitmask is not None:
+            token_bitmask.apply(logits, bitmask, self.target_ids, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
+        return self.target_ids[argmax_rows(logits)]
 
     def get_top_tokens(
         self, hidden: torch.Tensor, site: str = "draft.sample", bitmask: torch.Tensor | None = None

@@ -22,7 +22,7 @@ Greedy rows (temperature 0) take ``argmax(logits)``, ties to the lowest token id
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -303,8 +303,18 @@ def logprobs_of(
     )
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, n] -> [rows] int64, each row's first maximum (``torch.argmax``)."""
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    """Samples one token per row from full-vocabulary logits."""
+    """Samples one token per row from full-vocabulary logits. ``argmax``: how a row's token is
+    picked from its (noised) logits, ``torch.argmax``'s answer, [rows, vocab] -> [rows] int64 (the
+    model runner hands in ``layers.argmax.argmax_rows``, its CPU kernel, from a layer above this one)."""
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = first_max):
+        self.argmax = argmax
 
     def __call__(
         self,
@@ -321,7 +331,7 @@ class Sampler:
         if metadata.all_random:
             sampled = self._sample_random(logits, metadata)
         else:
-            sampled = logits.argmax(dim=-1)  # first maximum: lowest id on ties
+            sampled = self.argmax(logits)  # first maximum: lowest id on ties
             if not metadata.all_greedy:
                 rows = torch.nonzero(metadata.temperature > 0).squeeze(-1)
                 sub = metadata.select(rows, random_only=True)
@@ -333,12 +343,12 @@ class Sampler:
             logprobs = logprobs_of(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    @staticmethod
     def _sample_random(
+        self,
         logits: torch.Tensor,  # [rows, vocab_size] float32, every row random
         metadata: SamplingMetadata,
     ) -> torch.Tensor:
         scaled = processed_logits(logits, metadata)
         token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
         noise = gumbel(metadata.seeds, metadata.positions, token_ids, SAMPLE)
-        return noise.add_(scaled).argmax(dim=-1)
+        return self.argmax(noise.add_(scaled))

@@ -27,6 +27,7 @@ The head's KV is therefore written at every computed position but those it put o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -84,8 +85,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         """One head forward over the rows of several sequences (``query_lens[i]`` consecutive rows
         each, the last at the sequence's newest position; its keys from ``first_keys[i]`` on, None:
         all); returns (normed, prenorm) [rows, H]."""
-        ends = torch.cumsum(torch.tensor(query_lens), 0) - 1
-        context_lens = [positions[e] + 1 for e in ends.tolist()]
+        context_lens = [positions[e - 1] + 1 for e in accumulate(query_lens)]  # each sequence's last row's
         md = AttentionMetadata.build(query_lens, context_lens, tables, self.engine_config.cache.block_size, self.device,
                                      first_keys=first_keys)
         return self._forward(
@@ -159,8 +159,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         rows = inp.proposing  # every proposing sequence has >= 2 tokens: fed
         if not rows:
             return len(positions)
-        ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
-        end_of = dict(zip(fed, ends))
+        end_of = {i: end - 1 for i, end in zip(fed, accumulate(lens))}  # each fed sequence's last row
         last = torch.tensor([end_of[i] for i in rows], device=self.device)
         normed, prenorm = normed[last], prenorm[last]  # [len(rows), H]
         # 2. Chain: draft j + 1 from a row at position n + j - 1 feeding draft j (n: the bonus token's position).
@@ -174,8 +173,10 @@ class ChainHeadProposer(DraftModelSpeculator):
             # Draft j + 2 comes from the row that feeds draft j + 1 one position before it (pos + j − 1),
             # with the previous row's pre-norm output in place of target features.
             nonlocal carried
+            if len(keep) < carried.shape[0]:  # some rows stopped drafting
+                carried = carried[torch.tensor(keep, device=self.device)]
             normed_next, carried = self._run(
-                tokens, [pos[r] + j - 1 for r in active], carried[torch.tensor(keep, device=self.device)],
+                tokens, [pos[r] + j - 1 for r in active], carried,
                 [1] * len(active), [tables[r] for r in active], [states[rows[r]].context_start for r in active],
                 step=j + 1,
             )

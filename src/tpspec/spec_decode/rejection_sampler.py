@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpspec.layers.argmax import argmax_rows
 from tpspec.sample.gumbel import ACCEPT, RESIDUAL, SAMPLE, gumbel, uniform
 from tpspec.sample.mass import masses, probs
 from tpspec.sample.sampler import SamplingMetadata, processed_logits
@@ -184,7 +185,7 @@ class RejectionSampler:
         """Every row greedy, greedy drafts: one argmax over all rows (what the position loop takes
         row by row, the same op, lowest id on ties), then each request keeps its drafts up to the
         first that differs from its row's argmax and that argmax after them."""
-        top = target_logits.float().argmax(dim=-1).tolist()  # [num_rows]
+        top = argmax_rows(target_logits.float()).tolist()  # [num_rows]
         drafts = draft_token_ids.tolist()
         outputs, counts = [], []
         row = d = 0
@@ -212,7 +213,7 @@ class RejectionSampler:
         greedy = metadata.temperature.index_select(0, rows) == 0  # [m]
         g, r = torch.nonzero(greedy).squeeze(-1), torch.nonzero(~greedy).squeeze(-1)
         if g.numel():
-            top = target_logits.index_select(0, rows[g]).float().argmax(dim=-1)  # lowest id on ties
+            top = argmax_rows(target_logits.index_select(0, rows[g]).float())  # lowest id on ties
             accepted[g] = drafts[g] == top
             recovered[g] = top
         if r.numel():
@@ -233,7 +234,7 @@ class RejectionSampler:
                 token_ids = torch.arange(proc.shape[-1], device=proc.device, dtype=torch.int64)
                 rej_rows = r_rows[rej]
                 noise = gumbel(metadata.seeds[rej_rows], metadata.positions[rej_rows], token_ids, RESIDUAL)
-                recovered[r[rej]] = noise.add_(residual).argmax(dim=-1)
+                recovered[r[rej]] = argmax_rows(noise.add_(residual))
         return accepted, recovered[~accepted]
 
     @staticmethod
@@ -244,14 +245,14 @@ class RejectionSampler:
     ) -> torch.Tensor:
         """What the plain Sampler draws at these rows (argmax or SAMPLE-stream Gumbel-max), ``[m]``."""
         logits = target_logits.index_select(0, rows).float()
-        out = logits.argmax(dim=-1)  # lowest id on ties
+        out = argmax_rows(logits)  # lowest id on ties
         r = torch.nonzero(metadata.temperature.index_select(0, rows) > 0).squeeze(-1)
         if r.numel():
             r_rows = rows[r]
             proc = processed_logits(logits.index_select(0, r), metadata.select(r_rows, random_only=True))
             token_ids = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
             noise = gumbel(metadata.seeds[r_rows], metadata.positions[r_rows], token_ids, SAMPLE)
-            out[r] = noise.add_(proc).argmax(dim=-1)
+            out[r] = argmax_rows(noise.add_(proc))
         return out
 
     @staticmethod

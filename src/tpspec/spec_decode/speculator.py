@@ -24,6 +24,7 @@ import torch
 
 from tpspec.config import GGUF_KERNEL_METHODS, EngineConfig, ModelArchConfig, SpeculativeConfig
 from tpspec.distributed import comm
+from tpspec.layers.argmax import argmax_rows
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.layers.cpu_weights import pack_cpu_weights
 from tpspec.sample import token_bitmask
@@ -318,8 +319,9 @@ class DraftModelSpeculator(Speculator):
         if self.use_local_argmax_reduction:
             return self.model.get_top_tokens(hidden, site=DRAFT_SAMPLE_SITE, bitmask=bitmask)
         logits = self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE)
-        token_bitmask.apply(logits, bitmask, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
-        return logits.argmax(dim=-1)
+        if bitmask is not None:
+            token_bitmask.apply(logits, bitmask, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
+        return argmax_rows(logits)
 
     def sample_draft(
         self, hidden: torch.Tensor, sampling: SamplingMetadata | None, bitmask: torch.Tensor | None = None

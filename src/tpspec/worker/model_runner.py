@@ -18,6 +18,7 @@ from tpspec.config import EngineConfig
 from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers import cpu_kernels
+from tpspec.layers.argmax import argmax_rows
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, num_kv_blocks
 from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, INTEGER_FORMATS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
@@ -62,7 +63,7 @@ class ModelRunner:
         self.device = device
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax_rows)
         self.requests = RequestStates()
         self.sampling_states = SamplingStates(device)
         self.grammars = RankGrammars(config)  # structured outputs

@@ -18,6 +18,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "Q4_1 weights times float32 activations (q4_1_linear.cpp)");
@@ -30,4 +31,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "queries over their key ranges of the paged KV cache (decode_ops.cpp)");
   m.def("rotary", &rotary, "rotary position embedding, rotate-half layout (decode_ops.cpp)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU: silu(gate) * up (decode_ops.cpp)");
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum, torch.argmax's answer (argmax.cpp)");
 }
