@@ -292,6 +292,31 @@ def _top_tokens_check(folder: str, target_folder: str) -> list[dict]:
     return results
 
 
+def test_held_rows_do_not_keep_the_steps_features_alive(tiny_llama, target_model, tmp_path):
+    """A request held at k = 0 keeps its rows' target features as its own copies (not views of the
+    step's features, which a prefill chunk can make large), and a drop keeps only the newest rows'."""
+    config = _engine_config(tiny_llama, write_eagle3(str(tmp_path / "eagle"), seed=1))
+    spec = Eagle3Proposer(config.speculative, config, torch.device("cpu"))
+    spec.load(target_model, 96 * BLOCK)
+    spec.max_deferred_tokens = 6  # drops down to 3 rows
+    width = spec.feature_width
+    tables = [[4 * j + i for j in range(MAX_LEN // BLOCK + 1)] for i in range(3)]
+    row_bytes = width * 4
+    for step in range(7):  # three requests held, one new row each (their bonus token ends each step)
+        features = torch.randn(3, width)
+        propose_drafts(spec, [[5, 6]] * 3, [10 + step] * 3, tables, [True] * 3, [0] * 3, None, features)
+        for i in range(3):
+            deferred = spec.states[f"seq-{i}"].deferred
+            kept = sum(f.shape[0] for f in deferred.features)
+            assert kept == len(deferred.positions) == (step + 1 if step < 6 else 3)
+            storages = {f.untyped_storage().data_ptr(): f.untyped_storage().nbytes() for f in deferred.features}
+            assert features.untyped_storage().data_ptr() not in storages
+            assert sum(storages.values()) <= 3 * kept * row_bytes  # at most the held rows of each step kept
+            if step == 6:  # dropped: one copy of the newest rows alone
+                assert list(storages.values()) == [3 * row_bytes]
+                assert torch.equal(deferred.features[0][-1], features[i])
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_get_top_tokens_and_greedy_tokens_equal_compute_logits_argmax(tp, tiny_llama, tmp_path):
     folder = write_eagle3(str(tmp_path / "eagle"), seed=2, ship_embedding=True)

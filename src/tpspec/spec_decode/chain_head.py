@@ -46,7 +46,13 @@ class DeferredRows:
 
     def drop_oldest(self, keep: int) -> None:
         """Keep the newest ``keep`` rows (all of them ready: a sampled step's rows)."""
-        features = torch.cat(self.features)[-keep:]  # a copy: the dropped rows' features are freed
+        tail, rows = [], 0  # the newest steps' features that hold them
+        for step in reversed(self.features):
+            tail.append(step)
+            rows += step.shape[0]
+            if rows >= keep:
+                break
+        features = torch.cat(tail[::-1])[-keep:]  # a copy of those steps alone: the dropped rows' features are freed
         self.ids, self.positions, self.features = self.ids[-keep:], self.positions[-keep:], [features]
 
     def split_ready(self) -> tuple[list[int], list[int], torch.Tensor, "DeferredRows | None"]:
@@ -121,6 +127,7 @@ class ChainHeadProposer(DraftModelSpeculator):
         # token is known, of the proposing sequences (with what they deferred) and of partial
         # prefill chunks (whose last row waits); the other sequences defer theirs.
         ids, positions, feature_chunks, fed, lens = [], [], [], [], []
+        held: list[DeferredRows] = []  # deferring this step's rows as views of the step's features
         offset = 0
         for i, tokens in enumerate(inp.token_ids):
             n = inp.num_context(i)  # rows this step adds: one per kept token the target ran
@@ -139,7 +146,7 @@ class ChainHeadProposer(DraftModelSpeculator):
                     rows.drop_oldest(self.kept_after_drop)
                     states[i].context_start = rows.positions[0]
                 else:
-                    rows.features[-1] = features.clone()  # a view would keep the step's captured hidden states alive
+                    held.append(rows)
                 states[i].deferred = rows if rows.positions else None
                 continue
             if not rows.positions:
@@ -151,6 +158,10 @@ class ChainHeadProposer(DraftModelSpeculator):
                 feature_chunks.append(ready_features)
                 fed.append(i)
                 lens.append(len(ready_ids))
+        if held:  # their rows copied in one piece: a view would keep the whole step's features alive
+            copies = torch.cat([rows.features[-1] for rows in held]).split([rows.features[-1].shape[0] for rows in held])
+            for rows, copy in zip(held, copies):
+                rows.features[-1] = copy
         if not fed:
             return len(positions)
         features = torch.cat(feature_chunks)  # [rows, F]
