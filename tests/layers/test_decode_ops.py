@@ -181,7 +181,8 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(wind
     each key loaded once for all of them) or beside other sequences, its bits are the same (a max or
     sum shared across the run would keep the values within rounding and change the bits). With a
     window the queries of a run start at different keys (with 42, in different 8-key blocks, and
-    their keys span several of the output loop's tiles)."""
+    their keys span several of the output loop's tiles and two of its key spans), and on one thread
+    or two."""
     g = torch.Generator().manual_seed(1)
     length, d = 150, 64
     k_cache, v_cache = torch.randn(2, 400, 3, d, generator=g)
@@ -207,6 +208,12 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(wind
         assert torch.equal(run([t], False)[0], together[t])
         assert torch.equal(run([t], True)[0], together[t])
     assert torch.equal(run([2, 3, 4], True), together[2:5])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the work items are cut per thread: one thread takes them all
+    try:
+        assert torch.equal(run(list(range(7)), True), together)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("slots,token_seq,key_range,message", [

@@ -139,19 +139,25 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
 // first and one-past-last of those keys it attends to (a causal query: 0 and its position + 1);
 // kv_head [H] int64, the KV head each query head reads. -> softmax(q·kᵀ·scale)·v as [T, H · d].
 //
-// Work items are (a run of consecutive queries of one sequence, up to MAX_HEADS query heads of one
-// KV head): a verification's k + 1 queries or a prefill chunk's read each key of the run's span once
-// from memory for all of the item's query vectors (at most MAX_VECS), not once per query, and each
-// value once from memory and then from L1 (the output loop goes over PV_TILE keys at a time for all
-// of them).
+// Keys are taken in spans of SPAN at fixed positions (keys 0 … SPAN − 1, SPAN … 2·SPAN − 1, …). A work
+// item is (a run of consecutive queries of one sequence, up to MAX_HEADS query heads of one KV head,
+// one span): a verification's k + 1 queries or a prefill chunk's read each key of the span once from
+// memory for all of the item's query vectors (at most MAX_VECS), not once per query, and each value
+// once from memory and then from L1 (the output loop goes over PV_TILE keys at a time for all of
+// them). One sequence's decode (3 KV heads on 2 threads) thus spreads over its spans instead of
+// splitting the heads of a KV head over two items that would both read its keys (2x the bytes).
+// Per query vector and span the item keeps the scores' maximum m, the sum l of exp(score − m) and
+// the sum o of exp(score − m)·v; then, per query vector, the spans' (m, l, o) are merged in span
+// order: with M the largest m, out = Σ e^(m − M)·o / Σ e^(m − M)·l.
 // A query's result depends on its own q, key range and keys alone, never on which queries share its
-// item (batch invariance): each score is the same dot product whatever block its key falls in, its
-// max and sum are its own (8 lanes by key index; its blocks' keys outside its range add exact
-// zeros), and its output sums its own keys in order within tiles whose bounds are key positions
-// (multiples of PV_TILE), tile by tile. d a multiple of 8.
+// item (batch invariance): each score is the same dot product whatever block its key falls in, a
+// span's max and sum are its own (8 lanes by key index; its blocks' keys outside its range add exact
+// zeros), its output sums its own keys in order within tiles whose bounds are key positions
+// (multiples of PV_TILE), and the spans are fixed positions merged in order. d a multiple of 8.
 static constexpr int64_t MAX_HEADS = 4;
 static constexpr int64_t MAX_VECS = 16;  // query vectors (queries × heads) of one work item
 static constexpr int64_t PV_TILE = 32;  // keys per tile of the output loop (their values: 8 KB at d = 64)
+static constexpr int64_t SPAN = 128;  // keys per span (a multiple of PV_TILE): 32 KB of keys and of values at d = 64
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                               at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
@@ -178,8 +184,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     TORCH_CHECK(kr[2 * t] >= 0 && kr[2 * t] <= kr[2 * t + 1] && kr[2 * t + 1] <= L, "a key range outside [0, L]");
   }
   // Query heads by KV head, in chunks of at most MAX_HEADS; runs of consecutive queries of one
-  // sequence, as many as fit MAX_VECS with the widest chunk. Chunks are halved while there are fewer
-  // work items than twice the threads (one sequence's decode: 3 KV heads on 2 threads).
+  // sequence, as many as fit MAX_VECS with the widest chunk; each run's spans (those its queries'
+  // keys meet). Chunks are halved while there are fewer work items than twice the threads.
   std::vector<std::vector<int64_t>> by_kv(KVH);
   for (int64_t h = 0; h < H; ++h) {
     TORCH_CHECK(hp[h] >= 0 && hp[h] < KVH, "a KV head outside the cache");
@@ -187,9 +193,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   }
   std::vector<std::vector<int64_t>> chunks;
   std::vector<std::pair<int64_t, int64_t>> runs;  // [first query, one past the last)
+  struct Item { int64_t run, span; };
+  std::vector<Item> spans;  // (run, span) pairs, run by run
   auto plan = [&](int64_t w) {
     chunks.clear();
     runs.clear();
+    spans.clear();
     int64_t widest = 1;
     for (const auto& heads : by_kv)
       for (size_t i = 0; i < heads.size(); i += w) {
@@ -200,10 +209,19 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     for (int64_t t = 0; t < T; ++t)
       if (t == 0 || tsp[t] != tsp[t - 1] || t - runs.back().first == most) runs.emplace_back(t, t + 1);
       else runs.back().second = t + 1;
+    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r) {
+      int64_t first = std::numeric_limits<int64_t>::max(), end = 0;
+      for (int64_t t = runs[r].first; t < runs[r].second; ++t)
+        if (kr[2 * t + 1] > kr[2 * t]) {
+          first = std::min(first, kr[2 * t]);
+          end = std::max(end, kr[2 * t + 1]);
+        }
+      for (int64_t s = end > 0 ? first / SPAN : 0; s * SPAN < end; ++s) spans.push_back({r, s});
+    }
   };
   int64_t width = MAX_HEADS;
   plan(width);
-  while (width > 1 && static_cast<int64_t>(runs.size() * chunks.size()) < 2 * at::get_num_threads()) plan(width /= 2);
+  while (width > 1 && static_cast<int64_t>(spans.size() * chunks.size()) < 2 * at::get_num_threads()) plan(width /= 2);
   const int64_t C = chunks.size();
   auto out = at::empty({T, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -213,42 +231,74 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t row = KVH * d;  // a slot's floats
-  const int64_t span_max = (L + 7) / 8 * 8 + 8;  // floats of one query vector's scores
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * C, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t NS = (L + SPAN - 1) / SPAN, part = d + 2;  // spans a query may meet; a span's (o, m, l)
+  // Per query vector (t, h) and span s: o [d], m, l at parts[((t·H + h)·NS + s)·part]; only the spans
+  // a query's keys meet are written and read.
+  thread_local std::vector<float> parts;  // grown only: every entry read is written first in the call
+  if (parts.size() < static_cast<size_t>(T * H * NS * part)) parts.resize(T * H * NS * part);
+  float* pp = parts.data();
+  // Items (span-major within a run, then chunk) cut into one contiguous range per thread of about
+  // equal work (keys × query vectors, and a fixed cost), not of equal counts: a run's last span
+  // may hold a few keys.
+  const int64_t items = static_cast<int64_t>(spans.size()) * C, threads = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> cut(threads + 1, items);
+  {
+    std::vector<double> work(items + 1, 0.0);
+    for (int64_t b = 0; b < items; ++b) {
+      const auto [run, span] = spans[b / C];
+      int64_t keys = 0;
+      for (int64_t t = runs[run].first; t < runs[run].second; ++t)
+        keys += std::max<int64_t>(0, std::min(kr[2 * t + 1], (span + 1) * SPAN) - std::max(kr[2 * t], span * SPAN));
+      work[b + 1] = work[b] + static_cast<double>(keys * static_cast<int64_t>(chunks[b % C].size()) + 64);
+    }
+    cut[0] = 0;
+    for (int64_t i = 1, b = 0; i < threads; ++i) {
+      while (b < items && work[b] < work[items] * i / threads) ++b;
+      cut[i] = b;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+   for (int64_t w = w0; w < w1; ++w) {
+    const int64_t b0 = cut[w], b1 = cut[w + 1];
     // Per query vector: scores, then probabilities; kept per thread and only grown (every entry
     // read is written first in the call), not zeroed per call.
     thread_local std::vector<float> p;
+    constexpr int64_t span_max = SPAN + 8;  // floats of one query vector's scores
     if (p.size() < static_cast<size_t>(MAX_VECS * span_max)) p.resize(MAX_VECS * span_max);
     for (int64_t b = b0; b < b1; ++b) {
-      const auto [t0, t1] = runs[b / C];
+      const auto [run, span] = spans[b / C];
+      const auto [t0, t1] = runs[run];
       const std::vector<int64_t>& heads = chunks[b % C];
       const int64_t G = heads.size(), M = (t1 - t0) * G;
       const int64_t off = hp[heads[0]] * d;  // the KV head's floats within a slot
       const int64_t* ss = sp + tsp[t0] * L;  // the run's sequence's slots
-      // Query vector m = (query t0 + m / G, head heads[m % G]); its keys [lo[m], hi[m]); its 8-key
-      // blocks [blo[m], bhi[m]) counted from key 0. The run's span: blocks [base, top).
+      const int64_t s0 = span * SPAN, s1 = s0 + SPAN;
+      // Query vector m = (query t0 + m / G, head heads[m % G]); its keys in this span [lo[m], hi[m])
+      // (empty: it does not meet the span); its 8-key blocks [blo[m], bhi[m]) counted from key 0. The
+      // item's keys: blocks [base, top).
       const float* qh[MAX_VECS];
+      float* part_of[MAX_VECS];
       int64_t lo[MAX_VECS], hi[MAX_VECS], blo[MAX_VECS], bhi[MAX_VECS];
-      int64_t base = std::numeric_limits<int64_t>::max(), top = 0;
+      int64_t base = std::numeric_limits<int64_t>::max(), top = 0, span_end = 0;
       for (int64_t m = 0; m < M; ++m) {
-        const int64_t t = t0 + m / G;
-        qh[m] = qp + (t * H + heads[m % G]) * d;
-        lo[m] = kr[2 * t];
-        hi[m] = kr[2 * t + 1];
+        const int64_t t = t0 + m / G, h = heads[m % G];
+        qh[m] = qp + (t * H + h) * d;
+        part_of[m] = pp + ((t * H + h) * NS + span) * part;
+        lo[m] = std::max(kr[2 * t], s0);
+        hi[m] = std::min(kr[2 * t + 1], s1);
+        if (hi[m] <= lo[m]) {
+          hi[m] = lo[m];
+          continue;
+        }
         blo[m] = lo[m] / 8;
         bhi[m] = (hi[m] + 7) / 8;
-        if (hi[m] > lo[m]) {
-          base = std::min(base, blo[m]);
-          top = std::max(top, bhi[m]);
-        } else {  // no key: zeros
-          float* o = op + t * H * d + heads[m % G] * d;
-          std::fill(o, o + d, 0.f);
-        }
+        base = std::min(base, blo[m]);
+        top = std::max(top, bhi[m]);
+        span_end = std::max(span_end, hi[m]);  // one past the last key any of them reads
       }
       if (top == 0) continue;
-      const int64_t span_end = *std::max_element(hi, hi + M);  // one past the last key any of them reads
       // Query vector m's score of key u: p[m · span_max + u − 8 · base].
-      // Scores, 8 keys at a time for every query vector whose range meets the block: each key is
+      // Scores, 8 keys at a time for every query vector whose keys meet the block: each key is
       // loaded from memory once per work item.
       __m256 mx8[MAX_VECS];
       for (int64_t m = 0; m < M; ++m) mx8[m] = _mm256_set1_ps(neg_inf);
@@ -280,13 +330,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           const __m256 lo4 = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi4 = _mm256_permute2f128_ps(s0123, s4567, 0x31);
           float* pm = p.data() + m * span_max + (u - 8 * base);
           _mm256_storeu_ps(pm, _mm256_mul_ps(_mm256_add_ps(lo4, hi4), _mm256_set1_ps(sc)));
-          if (u < lo[m] || u + 8 > hi[m])  // an edge block: keys outside the query's range count as -inf
+          if (u < lo[m] || u + 8 > hi[m])  // an edge block: keys outside the query's span range count as -inf
             for (int e = 0; e < 8; ++e)
               if (u + e < lo[m] || u + e >= hi[m]) pm[e] = neg_inf;
           mx8[m] = _mm256_max_ps(mx8[m], _mm256_loadu_ps(pm));
         }
       }
-      float inv[MAX_VECS];  // 1 / Σ of query vector m's probabilities
       for (int64_t m = 0; m < M; ++m) {
         if (hi[m] == lo[m]) continue;
         float lanes[8];
@@ -302,11 +351,12 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           _mm256_storeu_ps(pm + j, e);
           tot = _mm256_add_ps(tot, e);
         }
-        inv[m] = 1.f / hsum(tot);  // >= 1: the largest score's term is 1
-        float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
+        float* o = part_of[m];
         std::fill(o, o + d, 0.f);
+        o[d] = mx;
+        o[d + 1] = hsum(tot);  // >= 1: the largest score's term is 1
       }
-      // The outputs, over tiles of PV_TILE keys from key 0 (their values stay in L1 while every query
+      // The span's outputs, over tiles of PV_TILE keys (their values stay in L1 while every query
       // vector of the item reads them): per query vector and tile, its keys in order, 64 columns at a
       // time in 8 accumulators the compiler keeps in registers (an array indexed by a run-time count
       // of vectors it spills), then added to the output. A query's sums are the same whatever
@@ -315,7 +365,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         for (int64_t m = 0; m < M; ++m) {
           const int64_t u0 = std::max(lo[m], t), u1 = std::min(hi[m], t + PV_TILE);
           if (u0 >= u1) continue;
-          float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
+          float* o = part_of[m];
           const float* pu = p.data() + m * span_max - 8 * base;  // probability of key u at pu[u]
           const int64_t whole = d / 64 * 64;
           for (int64_t i = 0; i < whole; i += 64) {
@@ -350,12 +400,34 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
           }
         }
       }
-      for (int64_t m = 0; m < M; ++m) {
-        if (hi[m] == lo[m]) continue;
-        float* o = op + (t0 + m / G) * H * d + heads[m % G] * d;
-        const __m256 s = _mm256_set1_ps(inv[m]);
-        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), s));
+    }
+   }
+  });
+  // Each query vector's spans merged in order: out = Σ e^(m − M)·o / Σ e^(m − M)·l (no key: zeros).
+  at::parallel_for(0, T * H, 64, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t t = v / H, first = kr[2 * t], end = kr[2 * t + 1];
+      float* o = op + v * d;
+      if (end == first) {
+        std::fill(o, o + d, 0.f);
+        continue;
       }
+      const float* pv = pp + v * NS * part;
+      const int64_t f = first / SPAN, l = (end - 1) / SPAN;
+      float top = pv[f * part + d];
+      for (int64_t s = f + 1; s <= l; ++s) top = std::max(top, pv[s * part + d]);
+      float total = 0.f;
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+      for (int64_t s = f; s <= l; ++s) {
+        const float* ps = pv + s * part;
+        const float w = s == f && l == f ? 1.f : std::exp(ps[d] - top);
+        total += w * ps[d + 1];
+        const __m256 vw = _mm256_set1_ps(w);
+        for (int64_t i = 0; i < d; i += 8)
+          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(ps + i), _mm256_loadu_ps(o + i)));
+      }
+      const __m256 inv = _mm256_set1_ps(1.f / total);
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
     }
   });
   return out;
