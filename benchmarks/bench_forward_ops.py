@@ -2,9 +2,12 @@
 forward with PyTorch's ops for those two steps, alternating in one process (every other forward),
 on the default model at TP 1 and its default quantization: c sequences of ``--context`` tokens,
 ``--rows`` new tokens each (1: decode; k + 1: a verification), random ids, the same KV cache.
-Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each.
+Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each. With
+``--attention-baseline-commit REV`` the other forward is instead this one with the paged-attention
+kernel of commit REV.
 
   python3 benchmarks/bench_forward_ops.py --shapes 1x1 1x4 32x1 --result-file benchmarks/results/forward_ops.json
+  python3 benchmarks/bench_forward_ops.py --attention-baseline-commit c5563c8 --context 1000 --shapes 1x1 1x4
 """
 
 from __future__ import annotations
@@ -18,11 +21,21 @@ import types
 import torch
 
 from tpspec.bench.machine import machine_info
-from tpspec.layers import activation, rotary
+from tpspec.layers import activation, cpu_kernels, rotary
 from tpspec.layers.attention import AttentionMetadata
 
 
-def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int) -> dict:
+class _BaselineAttention:
+    """The loaded kernels, with ``paged_attention`` from another build."""
+
+    def __init__(self, kernels, baseline):
+        self.kernels, self.baseline = kernels, baseline
+
+    def __getattr__(self, name):
+        return self.baseline.paged_attention if name == "paged_attention" else getattr(self.kernels, name)
+
+
+def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int, baseline=None) -> dict:
     runner = engine.executor.runner
     model = runner.model
     block = engine.config.cache.block_size
@@ -30,11 +43,15 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(seqs)]
     kernels = rotary.cpu_kernels
     without = types.SimpleNamespace(usable=lambda *tensors: None)  # the layers' PyTorch path
+    loaded = cpu_kernels._MODULE
     times: dict[str, list[float]] = {"kernels": [], "pytorch": []}
     with torch.inference_mode():
         for i in range(2 * (forwards + warmup)):
             kind = "kernels" if i % 2 else "pytorch"
-            rotary.cpu_kernels = activation.cpu_kernels = kernels if kind == "kernels" else without
+            if baseline is None:
+                rotary.cpu_kernels = activation.cpu_kernels = kernels if kind == "kernels" else without
+            else:  # "pytorch" stands for the baseline attention kernel
+                cpu_kernels._MODULE = loaded if kind == "kernels" else _BaselineAttention(loaded, baseline)
             ids = torch.randint(0, model.config.vocab_size, (seqs * rows,))
             positions = torch.tensor([context - rows + j for _ in range(seqs) for j in range(rows)])
             t0 = time.perf_counter()
@@ -44,6 +61,7 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
             if i >= 2 * warmup:
                 times[kind].append(time.perf_counter() - t0)
     rotary.cpu_kernels = activation.cpu_kernels = kernels
+    cpu_kernels._MODULE = loaded
     k, p = statistics.median(times["kernels"]), statistics.median(times["pytorch"])
     return {"seqs": seqs, "rows": rows, "context": context, "kernels_ms": 1e3 * k, "pytorch_ms": 1e3 * p,
             "pytorch_over_kernels": p / k}
@@ -55,16 +73,24 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--forwards", type=int, default=90)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--attention-baseline-commit", default=None,
+                   help="compare against this commit's paged-attention kernel instead of PyTorch's rotary and SwiGLU")
     p.add_argument("--result-file")
     args = p.parse_args()
     from tpspec.engine.llm_engine import LLMEngine
 
+    baseline = None
+    if args.attention_baseline_commit:
+        from bench_paged_attention import build_baseline
+
+        baseline = build_baseline(args.attention_baseline_commit)
     engine = LLMEngine.from_args(max_num_seqs=64)
     results = []
-    print("| Seqs | Rows a seq | Kernels (ms) | PyTorch ops (ms) | PyTorch / kernels |\n|---|---|---|---|---|")
+    other = f"{args.attention_baseline_commit}'s attention" if baseline else "PyTorch ops"
+    print(f"| Seqs | Rows a seq | Kernels (ms) | {other} (ms) | {other} / kernels |\n|---|---|---|---|---|")
     for shape in args.shapes:
         seqs, rows = (int(v) for v in shape.split("x"))
-        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup)
+        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup, baseline)
         results.append(r)
         print(f"| {seqs} | {rows} | {r['kernels_ms']:.2f} | {r['pytorch_ms']:.2f} | {r['pytorch_over_kernels']:.3f} |")
     engine.shutdown()

@@ -331,6 +331,19 @@ def test_step_time_model_learns_the_measured_curve():
     assert stm.overhead == pytest.approx(0.004, rel=0.05)
 
 
+def test_a_slower_machine_leaves_the_cost_of_more_rows_as_profiled():
+    """Steps of 32 decodes measured far slower than profiled (a slower machine, longer contexts)
+    raise what the model predicts for them, and for larger steps as much: 16 more rows still cost
+    what the profile says, not nothing (the controller would then verify drafts for free)."""
+    stm = model("eagle3", lambda r: 0.2 + 0.01 * r, lambda r: 0.0, seqs=lambda s: 0.001 * s)
+    marginal = stm.forward(48, 32, False) - stm.forward(32, 32, False)
+    for _ in range(200):
+        t = 0.2 + 0.01 * 32 + 0.001 * 32 + 1.0  # a second slower than the profile
+        stm.observe(32, 32, 0, [0] * 32, t, 0.0, t, decode_only=True)
+    assert stm.forward(32, 32, True) == pytest.approx(0.2 + 0.32 + 0.032 + 1.0, rel=0.01)
+    assert stm.forward(48, 32, False) - stm.forward(32, 32, False) == pytest.approx(marginal, rel=0.01)
+
+
 def test_curve_lookups_agree():
     c = PiecewiseLinear([1, 2, 8, 32], [0.5, 0.6, 0.9, 2.0])
     xs = np.arange(0, 80)
