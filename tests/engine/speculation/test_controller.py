@@ -13,7 +13,7 @@ import pytest
 from tpspec.config import SpeculativeConfig
 from tpspec.engine.speculation.acceptance import AcceptanceModel
 from tpspec.engine.speculation.controller import (
-    MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, RESUME_STEPS, PlanRequest, SpeculationLengthController,
+    HOLD_STEPS, MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, RESUME_STEPS, PlanRequest, SpeculationLengthController,
 )
 from tpspec.config.speculative_methods import get_method
 from tpspec.engine.speculation.step_time import PiecewiseLinear, StepTimeModel
@@ -81,6 +81,30 @@ def test_no_speculation_when_no_k_pays():
     c = controller("dflash", 8, model("dflash", lambda r: 1.0 + 0.01 * r, lambda r: 0.05))
     set_rates(c, "r0", [0.9] * 8)
     assert c.plan([req(0)], 1).num_propose[0] >= 4
+
+
+def test_a_plan_of_no_drafts_is_kept_a_few_steps(monkeypatch):
+    """No draft pays: the plan is kept for HOLD_STEPS steps while the requests stay the same and no
+    verification is observed, and made again at once when either changes (it would then give drafts)."""
+    c = controller("eagle3", 4, model("eagle3", lambda r: 1.0 + 0.5 * r, lambda r: 0.3 + 0.01 * r))
+    set_rates(c, "r0", [0.3] * 4)
+    made = []
+    adaptive_ks = c._adaptive_ks
+    monkeypatch.setattr(c, "_adaptive_ks", lambda reqs, rows: made.append(len(reqs)) or adaptive_ks(reqs, rows))
+    held = [PlanRequest("r0", True, 0, 0, 4)]
+    for _ in range(HOLD_STEPS + 1):
+        assert c.plan(held, 1).num_propose == [0]
+    assert len(made) == 2  # made, kept HOLD_STEPS - 1 steps, made again
+    c.observe_verification("r0", 1, 1)  # a probe's verification: made again
+    c.plan(held, 1)
+    assert len(made) == 3
+    c.plan(held + [PlanRequest("r1", True, 0, 0, 4)], 2)  # another request: made again
+    assert len(made) == 4
+    # Cheap rows now: the next plan that is made gives drafts, and is not kept.
+    c.step_time = model("eagle3", lambda r: 1.0 + 0.001 * r, lambda r: 0.01)
+    set_rates(c, "r0", [0.95] * 4)
+    assert c.plan(held, 1).num_propose[0] > 0 and c.plan(held, 1).num_propose[0] > 0
+    assert len(made) == 6
 
 
 def test_giving_up_the_decode_path_must_pay():
