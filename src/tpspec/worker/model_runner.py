@@ -401,8 +401,9 @@ class ModelRunner:
             offset += len(s.token_ids)
         features = None
         if self.speculator.capture_layers:
-            kept = torch.tensor(context_rows, dtype=torch.int64, device=self.device)
-            features = target_features(self.speculator.capture_layers, captured, final_hidden)[kept]
+            features = target_features(self.speculator.capture_layers, captured, final_hidden)  # a new tensor
+            if len(context_rows) < offset:  # some rows are not kept (the last emitted token's, rejected drafts')
+                features = features[torch.tensor(context_rows, dtype=torch.int64, device=self.device)]
         proposing = [i for i, n in enumerate(wanted) if n]
         sampling = None
         if proposing and self.speculator.draft_sample_method == "probabilistic":
