@@ -216,6 +216,28 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(wind
         torch.set_num_threads(threads)
 
 
+def test_paged_attention_takes_a_long_chunk_in_groups_with_the_same_bits():
+    """A prefill chunk of 128 queries over 8,192 keys (64 spans each: more span partials than the
+    kernel keeps at once, so its runs are taken in groups): each query gets the bits it gets
+    alone, and the reference's numbers."""
+    g = torch.Generator().manual_seed(3)
+    length, d, queries = 8192, 64, 128
+    k_cache, v_cache = torch.randn(2, length + 16, 3, d, generator=g)
+    slots = torch.randperm(length + 16, generator=g)[:length].view(1, length)
+    kv_head = torch.arange(9) // 3
+    q = torch.randn(queries, 9, d, generator=g)
+    key_range = torch.tensor([[0, length - queries + 1 + i] for i in range(queries)])
+    token_seq = torch.zeros(queries, dtype=torch.int64)
+    kernels = cpu_kernels.kernels()
+    out = kernels.paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.125)
+    for t in (0, 63, 64, 127):  # in the first group and in the last
+        alone = kernels.paged_attention(q[t : t + 1].contiguous(), k_cache, v_cache, slots, token_seq[:1],
+                                        key_range[t : t + 1], kv_head, 0.125)
+        assert torch.equal(alone[0], out[t]), t
+        ref = _reference(q[t : t + 1], k_cache, v_cache, slots, token_seq[:1], key_range[t : t + 1], kv_head, 0.125)
+        torch.testing.assert_close(out[t : t + 1], ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("slots,token_seq,key_range,message", [
     ([[3, 8]], [0], [[0, 2]], "a slot outside the cache"),
     ([[3, 4]], [1], [[0, 2]], "a query of a sequence outside slots"),

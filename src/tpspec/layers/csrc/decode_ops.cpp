@@ -158,6 +158,7 @@ static constexpr int64_t MAX_HEADS = 4;
 static constexpr int64_t MAX_VECS = 16;  // query vectors (queries × heads) of one work item
 static constexpr int64_t PV_TILE = 32;  // keys per tile of the output loop (their values: 8 KB at d = 64)
 static constexpr int64_t SPAN = 128;  // keys per span (a multiple of PV_TILE): 32 KB of keys and of values at d = 64
+static constexpr int64_t PARTS_CAP = int64_t{1} << 22;  // floats of span partials kept at once (16 MB)
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                               at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
@@ -231,21 +232,44 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t row = KVH * d;  // a slot's floats
-  const int64_t NS = (L + SPAN - 1) / SPAN, part = d + 2;  // spans a query may meet; a span's (o, m, l)
-  // Per query vector (t, h) and span s: o [d], m, l at parts[((t·H + h)·NS + s)·part]; only the spans
-  // a query's keys meet are written and read.
+  const int64_t part = d + 2;  // a span's (o [d], m, l) for one query vector
+  // Query t's keys meet spans first_span[t] … first_span[t] + nspan[t] − 1; the partials of its head
+  // h and span s sit at parts[qoff[t] + (h · nspan[t] + s − first_span[t]) · part], qoff counted
+  // within a group of runs. Runs are taken in groups whose partials fit PARTS_CAP floats (a long
+  // prefill chunk over many spans would need hundreds of MB at once), a parallel pass and a merge
+  // a group: which group a query falls in changes none of its arithmetic.
+  std::vector<int64_t> first_span(T), nspan(T), qoff(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t first = kr[2 * t], end = kr[2 * t + 1];
+    first_span[t] = end > first ? first / SPAN : 0;
+    nspan[t] = end > first ? (end - 1) / SPAN - first_span[t] + 1 : 0;
+  }
   thread_local std::vector<float> parts;  // grown only: every entry read is written first in the call
-  if (parts.size() < static_cast<size_t>(T * H * NS * part)) parts.resize(T * H * NS * part);
+  const int64_t R = runs.size(), I = spans.size();
+  for (int64_t r0 = 0, i0 = 0; r0 < R;) {
+  int64_t need = 0, r1 = r0;
+  for (; r1 < R; ++r1) {
+    int64_t run_need = 0;
+    for (int64_t t = runs[r1].first; t < runs[r1].second; ++t) run_need += H * nspan[t] * part;
+    if (r1 > r0 && need + run_need > PARTS_CAP) break;
+    for (int64_t t = runs[r1].first; t < runs[r1].second; ++t) {
+      qoff[t] = need;
+      need += H * nspan[t] * part;
+    }
+  }
+  int64_t i1 = i0;
+  while (i1 < I && spans[i1].run < r1) ++i1;
+  if (parts.size() < static_cast<size_t>(need)) parts.resize(need);
   float* pp = parts.data();
   // Items (span-major within a run, then chunk) cut into one contiguous range per thread of about
   // equal work (keys × query vectors, and a fixed cost), not of equal counts: a run's last span
   // may hold a few keys.
-  const int64_t items = static_cast<int64_t>(spans.size()) * C, threads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t items = (i1 - i0) * C, threads = std::min<int64_t>(at::get_num_threads(), items);
   std::vector<int64_t> cut(threads + 1, items);
   {
     std::vector<double> work(items + 1, 0.0);
     for (int64_t b = 0; b < items; ++b) {
-      const auto [run, span] = spans[b / C];
+      const auto [run, span] = spans[i0 + b / C];
       int64_t keys = 0;
       for (int64_t t = runs[run].first; t < runs[run].second; ++t)
         keys += std::max<int64_t>(0, std::min(kr[2 * t + 1], (span + 1) * SPAN) - std::max(kr[2 * t], span * SPAN));
@@ -266,7 +290,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     constexpr int64_t span_max = SPAN + 8;  // floats of one query vector's scores
     if (p.size() < static_cast<size_t>(MAX_VECS * span_max)) p.resize(MAX_VECS * span_max);
     for (int64_t b = b0; b < b1; ++b) {
-      const auto [run, span] = spans[b / C];
+      const auto [run, span] = spans[i0 + b / C];
       const auto [t0, t1] = runs[run];
       const std::vector<int64_t>& heads = chunks[b % C];
       const int64_t G = heads.size(), M = (t1 - t0) * G;
@@ -283,13 +307,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       for (int64_t m = 0; m < M; ++m) {
         const int64_t t = t0 + m / G, h = heads[m % G];
         qh[m] = qp + (t * H + h) * d;
-        part_of[m] = pp + ((t * H + h) * NS + span) * part;
         lo[m] = std::max(kr[2 * t], s0);
         hi[m] = std::min(kr[2 * t + 1], s1);
         if (hi[m] <= lo[m]) {
           hi[m] = lo[m];
           continue;
         }
+        part_of[m] = pp + qoff[t] + (h * nspan[t] + span - first_span[t]) * part;
         blo[m] = lo[m] / 8;
         bhi[m] = (hi[m] + 7) / 8;
         base = std::min(base, blo[m]);
@@ -404,7 +428,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
    }
   });
   // Each query vector's spans merged in order: out = Σ e^(m − M)·o / Σ e^(m − M)·l (no key: zeros).
-  at::parallel_for(0, T * H, 64, [&](int64_t v0, int64_t v1) {
+  const int64_t v_first = runs[r0].first * H, v_end = runs[r1 - 1].second * H;
+  at::parallel_for(v_first, v_end, 64, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
       const int64_t t = v / H, first = kr[2 * t], end = kr[2 * t + 1];
       float* o = op + v * d;
@@ -412,14 +437,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         std::fill(o, o + d, 0.f);
         continue;
       }
-      const float* pv = pp + v * NS * part;
+      const float* pv = pp + qoff[t] + (v % H) * nspan[t] * part;  // span f + s at pv + s · part
       const int64_t f = first / SPAN, l = (end - 1) / SPAN;
-      float top = pv[f * part + d];
-      for (int64_t s = f + 1; s <= l; ++s) top = std::max(top, pv[s * part + d]);
+      float top = pv[d];
+      for (int64_t s = f + 1; s <= l; ++s) top = std::max(top, pv[(s - f) * part + d]);
       float total = 0.f;
       for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
       for (int64_t s = f; s <= l; ++s) {
-        const float* ps = pv + s * part;
+        const float* ps = pv + (s - f) * part;
         const float w = s == f && l == f ? 1.f : std::exp(ps[d] - top);
         total += w * ps[d + 1];
         const __m256 vw = _mm256_set1_ps(w);
@@ -430,5 +455,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
     }
   });
+  r0 = r1;
+  i0 = i1;
+  }
   return out;
 }
