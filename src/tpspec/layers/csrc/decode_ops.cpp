@@ -247,216 +247,214 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   thread_local std::vector<float> parts;  // grown only: every entry read is written first in the call
   const int64_t R = runs.size(), I = spans.size();
   for (int64_t r0 = 0, i0 = 0; r0 < R;) {
-  int64_t need = 0, r1 = r0;
-  for (; r1 < R; ++r1) {
-    int64_t run_need = 0;
-    for (int64_t t = runs[r1].first; t < runs[r1].second; ++t) run_need += H * nspan[t] * part;
-    if (r1 > r0 && need + run_need > PARTS_CAP) break;
-    for (int64_t t = runs[r1].first; t < runs[r1].second; ++t) {
-      qoff[t] = need;
-      need += H * nspan[t] * part;
+    int64_t need = 0, r1 = r0;
+    for (; r1 < R; ++r1) {
+      int64_t run_need = 0;
+      for (int64_t t = runs[r1].first; t < runs[r1].second; ++t) run_need += H * nspan[t] * part;
+      if (r1 > r0 && need + run_need > PARTS_CAP) break;
+      for (int64_t t = runs[r1].first; t < runs[r1].second; ++t) {
+        qoff[t] = need;
+        need += H * nspan[t] * part;
+      }
     }
-  }
-  int64_t i1 = i0;
-  while (i1 < I && spans[i1].run < r1) ++i1;
-  if (parts.size() < static_cast<size_t>(need)) parts.resize(need);
-  float* pp = parts.data();
-  // Items (span-major within a run, then chunk) cut into one contiguous range per thread of about
-  // equal work (keys × query vectors, and a fixed cost), not of equal counts: a run's last span
-  // may hold a few keys.
-  const int64_t items = (i1 - i0) * C, threads = std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<int64_t> cut(threads + 1, items);
-  {
-    std::vector<double> work(items + 1, 0.0);
-    for (int64_t b = 0; b < items; ++b) {
-      const auto [run, span] = spans[i0 + b / C];
-      int64_t keys = 0;
-      for (int64_t t = runs[run].first; t < runs[run].second; ++t)
-        keys += std::max<int64_t>(0, std::min(kr[2 * t + 1], (span + 1) * SPAN) - std::max(kr[2 * t], span * SPAN));
-      work[b + 1] = work[b] + static_cast<double>(keys * static_cast<int64_t>(chunks[b % C].size()) + 64);
+    int64_t i1 = i0;
+    while (i1 < I && spans[i1].run < r1) ++i1;
+    if (parts.size() < static_cast<size_t>(need)) parts.resize(need);
+    float* pp = parts.data();
+    // Items (span-major within a run, then chunk) cut into one contiguous range per thread of about
+    // equal work (keys × query vectors, and a fixed cost), not of equal counts: a run's last span
+    // may hold a few keys.
+    const int64_t items = (i1 - i0) * C, threads = std::min<int64_t>(at::get_num_threads(), items);
+    std::vector<int64_t> cut(threads + 1, items);
+    {
+      std::vector<double> work(items + 1, 0.0);
+      for (int64_t b = 0; b < items; ++b) {
+        const auto [run, span] = spans[i0 + b / C];
+        int64_t keys = 0;
+        for (int64_t t = runs[run].first; t < runs[run].second; ++t)
+          keys += std::max<int64_t>(0, std::min(kr[2 * t + 1], (span + 1) * SPAN) - std::max(kr[2 * t], span * SPAN));
+        work[b + 1] = work[b] + static_cast<double>(keys * static_cast<int64_t>(chunks[b % C].size()) + 64);
+      }
+      cut[0] = 0;
+      for (int64_t i = 1, b = 0; i < threads; ++i) {
+        while (b < items && work[b] < work[items] * i / threads) ++b;
+        cut[i] = b;
+      }
     }
-    cut[0] = 0;
-    for (int64_t i = 1, b = 0; i < threads; ++i) {
-      while (b < items && work[b] < work[items] * i / threads) ++b;
-      cut[i] = b;
-    }
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
-   for (int64_t w = w0; w < w1; ++w) {
-    const int64_t b0 = cut[w], b1 = cut[w + 1];
-    // Per query vector: scores, then probabilities; kept per thread and only grown (every entry
-    // read is written first in the call), not zeroed per call.
-    thread_local std::vector<float> p;
-    constexpr int64_t span_max = SPAN + 8;  // floats of one query vector's scores
-    if (p.size() < static_cast<size_t>(MAX_VECS * span_max)) p.resize(MAX_VECS * span_max);
-    for (int64_t b = b0; b < b1; ++b) {
-      const auto [run, span] = spans[i0 + b / C];
-      const auto [t0, t1] = runs[run];
-      const std::vector<int64_t>& heads = chunks[b % C];
-      const int64_t G = heads.size(), M = (t1 - t0) * G;
-      const int64_t off = hp[heads[0]] * d;  // the KV head's floats within a slot
-      const int64_t* ss = sp + tsp[t0] * L;  // the run's sequence's slots
-      const int64_t s0 = span * SPAN, s1 = s0 + SPAN;
-      // Query vector m = (query t0 + m / G, head heads[m % G]); its keys in this span [lo[m], hi[m])
-      // (empty: it does not meet the span); its 8-key blocks [blo[m], bhi[m]) counted from key 0. The
-      // item's keys: blocks [base, top).
-      const float* qh[MAX_VECS];
-      float* part_of[MAX_VECS];
-      int64_t lo[MAX_VECS], hi[MAX_VECS], blo[MAX_VECS], bhi[MAX_VECS];
-      int64_t base = std::numeric_limits<int64_t>::max(), top = 0, span_end = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t t = t0 + m / G, h = heads[m % G];
-        qh[m] = qp + (t * H + h) * d;
-        lo[m] = std::max(kr[2 * t], s0);
-        hi[m] = std::min(kr[2 * t + 1], s1);
-        if (hi[m] <= lo[m]) {
-          hi[m] = lo[m];
+    at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+      const int64_t b0 = cut[w0], b1 = cut[w1];  // the items of threads w0 … w1 − 1
+      // Per query vector: scores, then probabilities; kept per thread and only grown (every entry
+      // read is written first in the call), not zeroed per call.
+      thread_local std::vector<float> p;
+      constexpr int64_t span_max = SPAN + 8;  // floats of one query vector's scores
+      if (p.size() < static_cast<size_t>(MAX_VECS * span_max)) p.resize(MAX_VECS * span_max);
+      for (int64_t b = b0; b < b1; ++b) {
+        const auto [run, span] = spans[i0 + b / C];
+        const auto [t0, t1] = runs[run];
+        const std::vector<int64_t>& heads = chunks[b % C];
+        const int64_t G = heads.size(), M = (t1 - t0) * G;
+        const int64_t off = hp[heads[0]] * d;  // the KV head's floats within a slot
+        const int64_t* ss = sp + tsp[t0] * L;  // the run's sequence's slots
+        const int64_t s0 = span * SPAN, s1 = s0 + SPAN;
+        // Query vector m = (query t0 + m / G, head heads[m % G]); its keys in this span [lo[m], hi[m])
+        // (empty: it does not meet the span); its 8-key blocks [blo[m], bhi[m]) counted from key 0. The
+        // item's keys: blocks [base, top).
+        const float* qh[MAX_VECS];
+        float* part_of[MAX_VECS];
+        int64_t lo[MAX_VECS], hi[MAX_VECS], blo[MAX_VECS], bhi[MAX_VECS];
+        int64_t base = std::numeric_limits<int64_t>::max(), top = 0, span_end = 0;
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t t = t0 + m / G, h = heads[m % G];
+          qh[m] = qp + (t * H + h) * d;
+          lo[m] = std::max(kr[2 * t], s0);
+          hi[m] = std::min(kr[2 * t + 1], s1);
+          if (hi[m] <= lo[m]) {
+            hi[m] = lo[m];
+            continue;
+          }
+          part_of[m] = pp + qoff[t] + (h * nspan[t] + span - first_span[t]) * part;
+          blo[m] = lo[m] / 8;
+          bhi[m] = (hi[m] + 7) / 8;
+          base = std::min(base, blo[m]);
+          top = std::max(top, bhi[m]);
+          span_end = std::max(span_end, hi[m]);  // one past the last key any of them reads
+        }
+        if (top == 0) continue;
+        // Query vector m's score of key u: p[m · span_max + u − 8 · base].
+        // Scores, 8 keys at a time for every query vector whose keys meet the block: each key is
+        // loaded from memory once per work item.
+        __m256 mx8[MAX_VECS];
+        for (int64_t m = 0; m < M; ++m) mx8[m] = _mm256_set1_ps(neg_inf);
+        for (int64_t blk = base; blk < top; ++blk) {
+          const int64_t u = blk * 8;
+          const float* kt[8];
+          for (int e = 0; e < 8; ++e) kt[e] = kp + ss[std::min(u + e, span_end - 1)] * row + off;  // past the span: a repeat, masked
+          // Cold caches (a forward's other layers came between): the keys two blocks ahead into L1,
+          // and this block's values into L2 for the output loop below.
+          for (int e = 0; e < 8; ++e) {
+            const int64_t ahead = ss[std::min(u + 16 + e, span_end - 1)] * row + off, here = ss[std::min(u + e, span_end - 1)] * row + off;
+            for (int64_t i = 0; i < d; i += 16) {
+              _mm_prefetch(reinterpret_cast<const char*>(kp + ahead + i), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vp + here + i), _MM_HINT_T1);
+            }
+          }
+          for (int64_t m = 0; m < M; ++m) {
+            if (blk < blo[m] || blk >= bhi[m] || hi[m] == lo[m]) continue;
+            __m256 a[8];
+            for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+              const __m256 qv = _mm256_loadu_ps(qh[m] + i);
+              for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[e] + i), qv, a[e]);
+            }
+            const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+            const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+            const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+            // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of s0123, the same for k4..k7 in s4567
+            const __m256 lo4 = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi4 = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+            float* pm = p.data() + m * span_max + (u - 8 * base);
+            _mm256_storeu_ps(pm, _mm256_mul_ps(_mm256_add_ps(lo4, hi4), _mm256_set1_ps(sc)));
+            if (u < lo[m] || u + 8 > hi[m])  // an edge block: keys outside the query's span range count as -inf
+              for (int e = 0; e < 8; ++e)
+                if (u + e < lo[m] || u + e >= hi[m]) pm[e] = neg_inf;
+            mx8[m] = _mm256_max_ps(mx8[m], _mm256_loadu_ps(pm));
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          if (hi[m] == lo[m]) continue;
+          float lanes[8];
+          _mm256_storeu_ps(lanes, mx8[m]);
+          float mx = lanes[0];
+          for (int e = 1; e < 8; ++e) mx = std::max(mx, lanes[e]);
+          // Probabilities over the query's own blocks (8 lanes from key 0: its masked keys add zeros).
+          float* pm = p.data() + m * span_max;  // key u at pm[u − 8 · base]
+          const __m256 vmx = _mm256_set1_ps(mx);
+          __m256 tot = _mm256_setzero_ps();
+          for (int64_t j = (blo[m] - base) * 8; j < (bhi[m] - base) * 8; j += 8) {
+            const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pm + j), vmx));
+            _mm256_storeu_ps(pm + j, e);
+            tot = _mm256_add_ps(tot, e);
+          }
+          float* o = part_of[m];
+          std::fill(o, o + d, 0.f);
+          o[d] = mx;
+          o[d + 1] = hsum(tot);  // >= 1: the largest score's term is 1
+        }
+        // The span's outputs, over tiles of PV_TILE keys (their values stay in L1 while every query
+        // vector of the item reads them): per query vector and tile, its keys in order, 64 columns at a
+        // time in 8 accumulators the compiler keeps in registers (an array indexed by a run-time count
+        // of vectors it spills), then added to the output. A query's sums are the same whatever
+        // shares its item: the tiles' bounds are key positions, its keys its own.
+        for (int64_t t = base * 8 / PV_TILE * PV_TILE; t < span_end; t += PV_TILE) {
+          for (int64_t m = 0; m < M; ++m) {
+            const int64_t u0 = std::max(lo[m], t), u1 = std::min(hi[m], t + PV_TILE);
+            if (u0 >= u1) continue;
+            float* o = part_of[m];
+            const float* pu = p.data() + m * span_max - 8 * base;  // probability of key u at pu[u]
+            const int64_t whole = d / 64 * 64;
+            for (int64_t i = 0; i < whole; i += 64) {
+              __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+              for (int64_t u = u0; u < u1; ++u) {
+                const float* vt = vp + ss[u] * row + off + i;
+                const __m256 wt = _mm256_broadcast_ss(pu + u);
+                c0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), c0);
+                c1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), c1);
+                c2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), c2);
+                c3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), c3);
+                c4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), c4);
+                c5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), c5);
+                c6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), c6);
+                c7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), c7);
+              }
+              float* oi = o + i;
+              _mm256_storeu_ps(oi, _mm256_add_ps(_mm256_loadu_ps(oi), c0));
+              _mm256_storeu_ps(oi + 8, _mm256_add_ps(_mm256_loadu_ps(oi + 8), c1));
+              _mm256_storeu_ps(oi + 16, _mm256_add_ps(_mm256_loadu_ps(oi + 16), c2));
+              _mm256_storeu_ps(oi + 24, _mm256_add_ps(_mm256_loadu_ps(oi + 24), c3));
+              _mm256_storeu_ps(oi + 32, _mm256_add_ps(_mm256_loadu_ps(oi + 32), c4));
+              _mm256_storeu_ps(oi + 40, _mm256_add_ps(_mm256_loadu_ps(oi + 40), c5));
+              _mm256_storeu_ps(oi + 48, _mm256_add_ps(_mm256_loadu_ps(oi + 48), c6));
+              _mm256_storeu_ps(oi + 56, _mm256_add_ps(_mm256_loadu_ps(oi + 56), c7));
+            }
+            for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
+              __m256 c = _mm256_setzero_ps();
+              for (int64_t u = u0; u < u1; ++u)
+                c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), _mm256_loadu_ps(vp + ss[u] * row + off + i), c);
+              _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i), c));
+            }
+          }
+        }
+      }
+    });
+    // Each query vector's spans merged in order: out = Σ e^(m − M)·o / Σ e^(m − M)·l (no key: zeros).
+    const int64_t v_first = runs[r0].first * H, v_end = runs[r1 - 1].second * H;
+    at::parallel_for(v_first, v_end, 64, [&](int64_t v0, int64_t v1) {
+      for (int64_t v = v0; v < v1; ++v) {
+        const int64_t t = v / H, first = kr[2 * t], end = kr[2 * t + 1];
+        float* o = op + v * d;
+        if (end == first) {
+          std::fill(o, o + d, 0.f);
           continue;
         }
-        part_of[m] = pp + qoff[t] + (h * nspan[t] + span - first_span[t]) * part;
-        blo[m] = lo[m] / 8;
-        bhi[m] = (hi[m] + 7) / 8;
-        base = std::min(base, blo[m]);
-        top = std::max(top, bhi[m]);
-        span_end = std::max(span_end, hi[m]);  // one past the last key any of them reads
-      }
-      if (top == 0) continue;
-      // Query vector m's score of key u: p[m · span_max + u − 8 · base].
-      // Scores, 8 keys at a time for every query vector whose keys meet the block: each key is
-      // loaded from memory once per work item.
-      __m256 mx8[MAX_VECS];
-      for (int64_t m = 0; m < M; ++m) mx8[m] = _mm256_set1_ps(neg_inf);
-      for (int64_t blk = base; blk < top; ++blk) {
-        const int64_t u = blk * 8;
-        const float* kt[8];
-        for (int e = 0; e < 8; ++e) kt[e] = kp + ss[std::min(u + e, span_end - 1)] * row + off;  // past the span: a repeat, masked
-        // Cold caches (a forward's other layers came between): the keys two blocks ahead into L1,
-        // and this block's values into L2 for the output loop below.
-        for (int e = 0; e < 8; ++e) {
-          const int64_t ahead = ss[std::min(u + 16 + e, span_end - 1)] * row + off, here = ss[std::min(u + e, span_end - 1)] * row + off;
-          for (int64_t i = 0; i < d; i += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(kp + ahead + i), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vp + here + i), _MM_HINT_T1);
-          }
+        const float* pv = pp + qoff[t] + (v % H) * nspan[t] * part;  // span f + s at pv + s · part
+        const int64_t f = first / SPAN, l = (end - 1) / SPAN;
+        float top = pv[d];
+        for (int64_t s = f + 1; s <= l; ++s) top = std::max(top, pv[(s - f) * part + d]);
+        float total = 0.f;
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+        for (int64_t s = f; s <= l; ++s) {
+          const float* ps = pv + (s - f) * part;
+          const float w = s == f && l == f ? 1.f : std::exp(ps[d] - top);
+          total += w * ps[d + 1];
+          const __m256 vw = _mm256_set1_ps(w);
+          for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(ps + i), _mm256_loadu_ps(o + i)));
         }
-        for (int64_t m = 0; m < M; ++m) {
-          if (blk < blo[m] || blk >= bhi[m] || hi[m] == lo[m]) continue;
-          __m256 a[8];
-          for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
-          for (int64_t i = 0; i < d; i += 8) {
-            const __m256 qv = _mm256_loadu_ps(qh[m] + i);
-            for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[e] + i), qv, a[e]);
-          }
-          const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-          const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-          const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-          // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of s0123, the same for k4..k7 in s4567
-          const __m256 lo4 = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi4 = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-          float* pm = p.data() + m * span_max + (u - 8 * base);
-          _mm256_storeu_ps(pm, _mm256_mul_ps(_mm256_add_ps(lo4, hi4), _mm256_set1_ps(sc)));
-          if (u < lo[m] || u + 8 > hi[m])  // an edge block: keys outside the query's span range count as -inf
-            for (int e = 0; e < 8; ++e)
-              if (u + e < lo[m] || u + e >= hi[m]) pm[e] = neg_inf;
-          mx8[m] = _mm256_max_ps(mx8[m], _mm256_loadu_ps(pm));
-        }
+        const __m256 inv = _mm256_set1_ps(1.f / total);
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
       }
-      for (int64_t m = 0; m < M; ++m) {
-        if (hi[m] == lo[m]) continue;
-        float lanes[8];
-        _mm256_storeu_ps(lanes, mx8[m]);
-        float mx = lanes[0];
-        for (int e = 1; e < 8; ++e) mx = std::max(mx, lanes[e]);
-        // Probabilities over the query's own blocks (8 lanes from key 0: its masked keys add zeros).
-        float* pm = p.data() + m * span_max;  // key u at pm[u − 8 · base]
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 tot = _mm256_setzero_ps();
-        for (int64_t j = (blo[m] - base) * 8; j < (bhi[m] - base) * 8; j += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pm + j), vmx));
-          _mm256_storeu_ps(pm + j, e);
-          tot = _mm256_add_ps(tot, e);
-        }
-        float* o = part_of[m];
-        std::fill(o, o + d, 0.f);
-        o[d] = mx;
-        o[d + 1] = hsum(tot);  // >= 1: the largest score's term is 1
-      }
-      // The span's outputs, over tiles of PV_TILE keys (their values stay in L1 while every query
-      // vector of the item reads them): per query vector and tile, its keys in order, 64 columns at a
-      // time in 8 accumulators the compiler keeps in registers (an array indexed by a run-time count
-      // of vectors it spills), then added to the output. A query's sums are the same whatever
-      // shares its item: the tiles' bounds are key positions, its keys its own.
-      for (int64_t t = base * 8 / PV_TILE * PV_TILE; t < span_end; t += PV_TILE) {
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t u0 = std::max(lo[m], t), u1 = std::min(hi[m], t + PV_TILE);
-          if (u0 >= u1) continue;
-          float* o = part_of[m];
-          const float* pu = p.data() + m * span_max - 8 * base;  // probability of key u at pu[u]
-          const int64_t whole = d / 64 * 64;
-          for (int64_t i = 0; i < whole; i += 64) {
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-            for (int64_t u = u0; u < u1; ++u) {
-              const float* vt = vp + ss[u] * row + off + i;
-              const __m256 wt = _mm256_broadcast_ss(pu + u);
-              c0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), c0);
-              c1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), c1);
-              c2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), c2);
-              c3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), c3);
-              c4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), c4);
-              c5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), c5);
-              c6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), c6);
-              c7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), c7);
-            }
-            float* oi = o + i;
-            _mm256_storeu_ps(oi, _mm256_add_ps(_mm256_loadu_ps(oi), c0));
-            _mm256_storeu_ps(oi + 8, _mm256_add_ps(_mm256_loadu_ps(oi + 8), c1));
-            _mm256_storeu_ps(oi + 16, _mm256_add_ps(_mm256_loadu_ps(oi + 16), c2));
-            _mm256_storeu_ps(oi + 24, _mm256_add_ps(_mm256_loadu_ps(oi + 24), c3));
-            _mm256_storeu_ps(oi + 32, _mm256_add_ps(_mm256_loadu_ps(oi + 32), c4));
-            _mm256_storeu_ps(oi + 40, _mm256_add_ps(_mm256_loadu_ps(oi + 40), c5));
-            _mm256_storeu_ps(oi + 48, _mm256_add_ps(_mm256_loadu_ps(oi + 48), c6));
-            _mm256_storeu_ps(oi + 56, _mm256_add_ps(_mm256_loadu_ps(oi + 56), c7));
-          }
-          for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
-            __m256 c = _mm256_setzero_ps();
-            for (int64_t u = u0; u < u1; ++u)
-              c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), _mm256_loadu_ps(vp + ss[u] * row + off + i), c);
-            _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i), c));
-          }
-        }
-      }
-    }
-   }
-  });
-  // Each query vector's spans merged in order: out = Σ e^(m − M)·o / Σ e^(m − M)·l (no key: zeros).
-  const int64_t v_first = runs[r0].first * H, v_end = runs[r1 - 1].second * H;
-  at::parallel_for(v_first, v_end, 64, [&](int64_t v0, int64_t v1) {
-    for (int64_t v = v0; v < v1; ++v) {
-      const int64_t t = v / H, first = kr[2 * t], end = kr[2 * t + 1];
-      float* o = op + v * d;
-      if (end == first) {
-        std::fill(o, o + d, 0.f);
-        continue;
-      }
-      const float* pv = pp + qoff[t] + (v % H) * nspan[t] * part;  // span f + s at pv + s · part
-      const int64_t f = first / SPAN, l = (end - 1) / SPAN;
-      float top = pv[d];
-      for (int64_t s = f + 1; s <= l; ++s) top = std::max(top, pv[(s - f) * part + d]);
-      float total = 0.f;
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-      for (int64_t s = f; s <= l; ++s) {
-        const float* ps = pv + (s - f) * part;
-        const float w = s == f && l == f ? 1.f : std::exp(ps[d] - top);
-        total += w * ps[d + 1];
-        const __m256 vw = _mm256_set1_ps(w);
-        for (int64_t i = 0; i < d; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(ps + i), _mm256_loadu_ps(o + i)));
-      }
-      const __m256 inv = _mm256_set1_ps(1.f / total);
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
-    }
-  });
-  r0 = r1;
-  i0 = i1;
+    });
+    r0 = r1;
+    i0 = i1;
   }
   return out;
 }
