@@ -246,8 +246,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         draft ids, so ties agree; a row of all -inf logits aside) without filling a full-vocabulary
         row. ``bitmask`` ([num_rows, words] over target ids): the argmax of the allowed ones."""
         logits = self.logits_processor.compute_logits(self.lm_head, hidden, site)  # [num_rows, draft_vocab]
-        if bitmask is not None:
-            token_bitmask.apply(logits, bitmask, self.target_ids, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
+        token_bitmask.apply(logits, bitmask, self.target_ids, argmax_only=True)
         return self.target_ids[argmax_rows(logits)]
 
     def get_top_tokens(

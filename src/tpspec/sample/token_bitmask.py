@@ -60,7 +60,7 @@ def apply(
     logits: torch.Tensor | LogitsShard,  # [rows, vocab] gathered, or this rank's [rows, shard_size] columns
     bitmask: torch.Tensor | None,  # [rows, words] int32; None: no row constrained
     column_ids: torch.Tensor | None = None,  # [columns] int64 token id of each column (default: its index)
-    argmax_only: torch.Tensor | None = None,  # [rows] bool: rows read only through their argmax
+    argmax_only: torch.Tensor | bool | None = None,  # [rows] bool: rows read only through their argmax (True: all)
 ) -> None:
     """Forbidden tokens' logits to -inf, in place. A shard's columns are ids ``vocab_start …``;
     ``column_ids`` maps columns to other ids (EAGLE-3's draft vocabulary to the target's).
@@ -77,6 +77,8 @@ def apply(
         return
     values = logits.logits if isinstance(logits, LogitsShard) else logits
     if argmax_only is not None and not isinstance(logits, LogitsShard):
+        if argmax_only is True:
+            argmax_only = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
         greedy = argmax_only.index_select(0, rows)
         if bool(greedy.any()):
             best = values.index_select(0, rows).argmax(dim=-1) if rows.numel() < values.shape[0] else values.argmax(dim=-1)

@@ -319,8 +319,7 @@ class DraftModelSpeculator(Speculator):
         if self.use_local_argmax_reduction:
             return self.model.get_top_tokens(hidden, site=DRAFT_SAMPLE_SITE, bitmask=bitmask)
         logits = self.model.compute_logits(hidden, site=DRAFT_SAMPLE_SITE)
-        if bitmask is not None:
-            token_bitmask.apply(logits, bitmask, argmax_only=torch.ones(logits.shape[0], dtype=torch.bool))
+        token_bitmask.apply(logits, bitmask, argmax_only=True)
         return argmax_rows(logits)
 
     def sample_draft(

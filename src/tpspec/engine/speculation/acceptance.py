@@ -66,22 +66,21 @@ class AcceptanceModel:
 
     def request_rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
         """[max_k] α_j of one request, shrunk toward the engine-wide rates."""
-        engine = self.engine_rates() if engine_rates is None else engine_rates
-        counts = self.requests.get(req_id)
-        if counts is None:
-            return engine
-        return (counts.accepted + REQUEST_PRIOR_WEIGHT * engine) / (counts.tried + REQUEST_PRIOR_WEIGHT)
+        return self._rates_of([req_id], self.engine_rates() if engine_rates is None else engine_rates)[0]
 
     def marginal_gains(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
         """[max_k] expected accepted tokens added by the j-th draft: Π_{m ≤ j} α_m (non-increasing)."""
         return np.cumprod(self.request_rates(req_id, engine_rates))
 
     def marginal_gains_of(self, req_ids: list[str], engine_rates: np.ndarray) -> np.ndarray:
-        """``marginal_gains`` of several requests at once: [len(req_ids), max_k]. (A request without
-        counts gets the engine's rates, as there: (0 + w·α) / (0 + w) is α exactly, w a power of 2.)"""
+        """``marginal_gains`` of several requests at once: [len(req_ids), max_k]."""
+        return np.cumprod(self._rates_of(req_ids, engine_rates), axis=1)
+
+    def _rates_of(self, req_ids: list[str], engine_rates: np.ndarray) -> np.ndarray:
+        """[len(req_ids), max_k] α_j of each request, shrunk toward ``engine_rates``. (A request
+        without counts gets the engine's rates: (0 + w·α) / (0 + w) is α exactly, w a power of 2.)"""
         none = np.zeros(self.max_k)
         counts = [self.requests.get(r) for r in req_ids]
         accepted = np.array([none if c is None else c.accepted for c in counts])  # [n, max_k]
         tried = np.array([none if c is None else c.tried for c in counts])
-        rates = (accepted + REQUEST_PRIOR_WEIGHT * engine_rates) / (tried + REQUEST_PRIOR_WEIGHT)
-        return np.cumprod(rates, axis=1)
+        return (accepted + REQUEST_PRIOR_WEIGHT * engine_rates) / (tried + REQUEST_PRIOR_WEIGHT)
