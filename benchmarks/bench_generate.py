@@ -12,6 +12,7 @@ The batch-1 greedy tokens are checked against transformers' ("k/N equal"; a requ
 tpspec output contains EOS is compared up to it, as ``min_new_tokens`` suppresses EOS there).
 
   python3 benchmarks/bench_generate.py --tp 1 2 --dtype float32 bfloat16 --torch-compile off on --quantization none fp16 --result-file out.json
+  python3 benchmarks/bench_generate.py --tp 1 --kv-cache-dtype float32 float16 float32 float16 --skip-transformers
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from tpspec.bench.datasets import DATASETS, load_prompts
 from tpspec.bench.machine import machine_info
-from tpspec.config import QUANTIZATION_OPTIONS
+from tpspec.config import KV_CACHE_DTYPES, QUANTIZATION_OPTIONS
 from tpspec.llm import LLM
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.sampling_params import SamplingParams
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tpspec's compiled decode steps (EngineConfig.torch_compile, TP 1): off, on or both")
     p.add_argument("--quantization", nargs="+", choices=QUANTIZATION_OPTIONS, default=["auto"],
                    help="tpspec weight formats (auto: the engine's default; fp16 applies to float32 only)")
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+                   help="tpspec's KV cache dtypes (each a configuration; repeat one to alternate: float32 float16 float32 float16)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--num-batch1", type=int, default=4, help="prompts run one at a time (batch 1)")
     p.add_argument("--concurrency", type=int, default=32, help="prompts submitted at once (0: skip)")
@@ -139,11 +142,12 @@ def tpspec_concurrent(llm: LLM, prompts: list[list[int]], params: SamplingParams
                   quantization)
 
 
-def bench_tpspec(tp: int, dtype: str, compiled: bool, quantization: str, b1: list[list[int]], batch: list[list[int]],
-                 args) -> tuple[list[dict], list]:
+def bench_tpspec(tp: int, dtype: str, compiled: bool, quantization: str, kv_dtype: str, b1: list[list[int]],
+                 batch: list[list[int]], args) -> tuple[list[dict], list]:
     llm = LLM(model=args.model, tensor_parallel_size=tp, dtype=dtype, max_num_seqs=max(args.concurrency, 1), seed=args.seed,
-              torch_compile=compiled, quantization=quantization)
+              torch_compile=compiled, quantization=quantization, kv_cache_dtype=kv_dtype)
     quantization = llm.llm_engine.config.quantization or "none"  # what "auto" became
+    kv_dtype = llm.llm_engine.config.cache.kv_cache_dtype
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, tokens = [], []
     try:
@@ -155,6 +159,8 @@ def bench_tpspec(tp: int, dtype: str, compiled: bool, quantization: str, b1: lis
             rows.append(tpspec_concurrent(llm, batch, params, tp, dtype, compiled, quantization))
     finally:
         llm.shutdown()
+    for r in rows:
+        r["kv_cache_dtype"] = kv_dtype
     return rows, tokens
 
 
@@ -202,13 +208,14 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| System | TP | dtype | Quantization | Compiled | Batch | Output tok/s | Speedup vs transformers (same dtype) "
-             "| Speedup vs transformers float32 | Greedy tokens = transformers |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| System | TP | dtype | Quantization | KV cache | Compiled | Batch | Output tok/s | Speedup vs transformers "
+             "(same dtype) | Speedup vs transformers float32 | Greedy tokens = transformers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     speed = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
     for r in rows:
         compiled = "-" if r["system"] == "transformers" else ("yes" if r["compiled"] else "no")
-        lines.append(f"| {r['system']} | {r['tp']} | {r['dtype']} | {r.get('quantization') or '-'} | {compiled} | {r['batch']} | {r['output_tok_s']:.1f} "
+        lines.append(f"| {r['system']} | {r['tp']} | {r['dtype']} | {r.get('quantization') or '-'} | {r.get('kv_cache_dtype') or '-'} "
+                     f"| {compiled} | {r['batch']} | {r['output_tok_s']:.1f} "
                      f"| {speed(r['speedup_vs_transformers'])} | {speed(r['speedup_vs_transformers_float32'])} "
                      f"| {r.get('tokens_equal') or '-'} |")
     return "\n".join(lines)
@@ -230,18 +237,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logger.info("%d %s prompts (%d-%d tokens), %d new tokens each", n, args.dataset, min(map(len, ids)), max(map(len, ids)), args.max_tokens)
 
     rows: list[dict] = []
-    configs = [("transformers", None, d, False, None) for d in args.dtype if not args.skip_transformers]
+    configs = [("transformers", None, d, False, None, None) for d in args.dtype if not args.skip_transformers]
     # torch_compile is TP 1 only, quantization "fp16" float32 only (EngineConfig).
-    configs += [("tpspec", tp, d, c == "on", q) for d in args.dtype for q in args.quantization
+    configs += [("tpspec", tp, d, c == "on", q, kv) for d in args.dtype for q in args.quantization for kv in args.kv_cache_dtype
                 for tp in args.tp for c in args.torch_compile if (tp == 1 or c == "off") and (q != "fp16" or d == "float32")]
     refs, eos = {}, None
-    for system, tp, dtype, compiled, quantization in tqdm(configs, desc="configs", unit="config"):
+    for system, tp, dtype, compiled, quantization, kv_dtype in tqdm(configs, desc="configs", unit="config"):
         logger.info("measuring %s%s %s%s%s", system, f" TP {tp}" if tp else "", dtype, f" {quantization}" if quantization else "",
                     " compiled" if compiled else "")
         if system == "transformers":
             new, refs[dtype], eos = bench_transformers(folder, dtype, b1, batch, args)
         else:
-            new, tokens = run_isolated(bench_tpspec, tp, dtype, compiled, quantization, b1, batch, args)
+            new, tokens = run_isolated(bench_tpspec, tp, dtype, compiled, quantization, kv_dtype, b1, batch, args)
             if refs.get(dtype) and tokens:
                 new[0]["tokens_equal"] = f"{count_equal(tokens, refs[dtype], eos)}/{len(tokens)}"
         for r in new:

@@ -13,6 +13,12 @@ to the kernel moved it, free of the drift between runs.
 
   python3 benchmarks/bench_paged_attention.py --result-file benchmarks/results/paged_attention_avx2.json
   python3 benchmarks/bench_paged_attention.py --layers 30 --baseline-commit HEAD~1
+
+``--kv-float16`` also times the kernel alone on a float16 copy of the caches (their values rounded to
+float16 in both, so the outputs must have the same bits), alternating rounds with the float32 ones:
+what a float16 KV cache (``--kv-cache-dtype``, the CPU default) saves.
+
+  python3 benchmarks/bench_paged_attention.py --layers 30 --seqs 1 32 --contexts 300 1000 --query-lens 1 4 --kv-float16
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=1, help="layers' caches cycled through (30: cold, as in a forward)")
     p.add_argument("--baseline-commit", default=None, help="also time the kernel as it was at this commit")
+    p.add_argument("--kv-float16", action="store_true", help="also time the kernel on float16 caches of the same values")
     p.add_argument("--result-file", default=None)
     return p.parse_args(argv)
 
@@ -95,8 +102,9 @@ def main(argv=None) -> int:
     attn = Attention(9, 3, 64, torch.arange(9) // 3)
     rows = []
     extra = " Kernel call (us) | Baseline call (us) | Baseline / kernel |" if baseline else ""
+    extra += " Float32 cache (us) | Float16 cache (us) | Float32 / float16 |" if args.kv_float16 else ""
     print(f"| Seqs | Context | New tokens a seq | Kernel (us) | PyTorch (us) | PyTorch / kernel | Max difference |{extra}")
-    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if baseline else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if baseline else "") + ("---|---|---|" if args.kv_float16 else ""))
     with torch.inference_mode():
         for seqs in args.seqs:
             for ctx in args.contexts:
@@ -133,11 +141,31 @@ def main(argv=None) -> int:
                         new_us, old_us = statistics.median(new_s) * 1e6, statistics.median(old_s) * 1e6
                         row.update(kernel_call_us=new_us, baseline_call_us=old_us)
                         line += f" {new_us:.1f} | {old_us:.1f} | {old_us / new_us:.2f} |"
+                    if args.kv_float16:  # the kernel alone on each, alternating rounds
+                        key_range = md.key_range(None)
+                        # the caches as they are now (the layer wrote the new tokens), float16 values in both
+                        rounded = [(k.half().float(), v.half().float()) for k, v in caches]
+                        half_caches = [(k.half(), v.half()) for k, v in caches]
+
+                        def call_on(cs):
+                            return lambda i: module.paged_attention(q, *cs[i], md.context_slots, md.token_seq, key_range,
+                                                                    attn.kv_head_of_head, attn.scale)
+
+                        if not torch.equal(call_on(rounded)(0), call_on(half_caches)(0)):
+                            raise SystemExit("a float16 cache gave other bits than float32 holding its values")
+                        f32, f16 = [], []
+                        for _ in range(3):
+                            f32.append(time_calls(call_on(rounded), args.layers, args.calls, args.repeats))
+                            f16.append(time_calls(call_on(half_caches), args.layers, args.calls, args.repeats))
+                        f32_us, f16_us = statistics.median(f32) * 1e6, statistics.median(f16) * 1e6
+                        row.update(float32_cache_us=f32_us, float16_cache_us=f16_us)
+                        line += f" {f32_us:.1f} | {f16_us:.1f} | {f32_us / f16_us:.2f} |"
                     rows.append(row)
                     print(line)
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({"machine": machine_info(), "layers": args.layers, "baseline_commit": args.baseline_commit,
+                       "kv_float16": args.kv_float16,
                        "rows": rows}, f, indent=1)
     return 0
 

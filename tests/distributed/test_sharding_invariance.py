@@ -2,7 +2,7 @@
 request yields the same tokens at TP 1, 2 and 4, greedy and sampled (temperature, top-k, top-p,
 min-p), plain and speculative (ngram, draft model with greedy drafts and with probabilistic
 drafts under ``use_local_argmax_reduction``), and the same tokens as the gathered path (logprobs:
-the same top ids, values up to float rounding). Draft noise, acceptance and residual draws are
+the same top ids, values up to float rounding, the KV cache's float16 included). Draft noise, acceptance and residual draws are
 keyed by (seed, position, global token id), never by rank or shard layout."""
 
 from __future__ import annotations
@@ -100,7 +100,9 @@ def test_vocab_parallel_tokens_are_the_same_at_every_tp_size_and_equal_the_gathe
             assert (mine is None) == (theirs is None)
             for a, b in zip(mine or [], theirs or []):
                 assert list(a) == list(b)  # the same tokens, in the same order
-                assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+                # Up to rounding: TP sizes sum a product's shards in different orders, and the float16
+                # KV cache can round two keys a last bit apart to neighbouring float16 values (1.4e-4 seen).
+                assert all(abs(a[t] - b[t]) < 1e-3 for t in a), max(abs(a[t] - b[t]) for t in a)
         stats = got["stats"]
         sites = {"plain": ["sample"], "ngram": ["verify.sample"]}.get(method, ["draft.sample", "verify.sample"])
         assert sorted(stats["comm_bytes_per_row"]) == sorted(sites)

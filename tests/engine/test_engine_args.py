@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tpspec import LLM
 from tpspec.bench.server_options import ServerOptions
@@ -52,3 +53,26 @@ def test_bench_compare_passes_flags_serve_reads_back():
 def test_unknown_engine_keyword_is_a_type_error_naming_it(tiny_llama):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(tiny_llama, max_num_seq=4)
+
+
+def test_kv_cache_dtype_auto_is_float16_on_cpu_with_the_kernels_and_holds_twice_the_tokens(tiny_llama):
+    """"auto" resolves before any worker starts (float16 on CPU where tpspec's attention kernel
+    reads it, the model's dtype otherwise); the engine's caches, the drafter's included, are in
+    that dtype, and a GiB holds twice the blocks of a float32 cache."""
+    from tpspec.layers import cpu_kernels
+
+    if cpu_kernels.unavailable() is not None:
+        pytest.skip(f"no CPU kernels here: {cpu_kernels.unavailable()}")
+    auto = EngineArgs(model=tiny_llama).create_engine_config("cpu")
+    fp32 = EngineArgs(model=tiny_llama, kv_cache_dtype="float32").create_engine_config("cpu")
+    assert (auto.cache.kv_cache_dtype, fp32.cache.kv_cache_dtype) == ("float16", "float32")
+    from tpspec.layers.attention import num_kv_blocks
+
+    assert num_kv_blocks(auto, "cpu") == 2 * num_kv_blocks(fp32, "cpu")
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}
+    with LLM(tiny_llama, num_kv_blocks=32, speculative_config=spec) as llm:
+        runner = llm.llm_engine.executor.runner
+        assert {t.dtype for layer in runner.kv_caches for t in layer} == {torch.float16}
+        assert {t.dtype for layer in runner.speculator.kv_caches for t in layer} == {torch.float16}
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        CacheConfig(kv_cache_dtype="float8")

@@ -36,7 +36,9 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None, fi
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+# (the model's dtype, the cache's): a float32 model's default cache on CPU is float16 (kv_cache_dtype)
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                               (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("heads,kv_of_head", [(4, [0, 0, 1, 1]), (3, [0, 1, 1])])  # uniform groups; uneven split
 @pytest.mark.parametrize(
     "query_lens,context_lens,tail",
@@ -54,12 +56,12 @@ def _reference(q, keys, values, kv_of_head, query_start, tail=0, window=None, fi
     ],
 )
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens, context_lens, tail, consecutive,
-                                           cpu_kernels_mode):
+def test_paged_attention_matches_reference(dtype, cache_dtype, heads, kv_of_head, query_lens, context_lens, tail,
+                                           consecutive, cpu_kernels_mode):
     g = torch.Generator().manual_seed(len(query_lens) * 10 + heads)
     kv_heads = 2
     num_blocks = 64
-    k_cache = torch.zeros(num_blocks * BLOCK, kv_heads, HEAD_DIM, dtype=dtype)
+    k_cache = torch.zeros(num_blocks * BLOCK, kv_heads, HEAD_DIM, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     if consecutive:  # each sequence's blocks one after the other, from block 5 + 10·i
         tables = [[5 + 10 * i + j for j in range(-(-c // BLOCK))] for i, c in enumerate(context_lens)]
@@ -74,7 +76,7 @@ def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens,
 
     for t, kk, vv, n in zip(tables, keys, values, query_lens):  # earlier tokens already cached, not the new ones
         earlier = slots(t, range(kk.shape[0] - n))
-        k_cache[earlier], v_cache[earlier] = kk[: kk.shape[0] - n], vv[: vv.shape[0] - n]
+        k_cache[earlier], v_cache[earlier] = kk[: kk.shape[0] - n].to(cache_dtype), vv[: vv.shape[0] - n].to(cache_dtype)
     q = [torch.randn(n, heads, HEAD_DIM, generator=g).to(dtype) for n in query_lens]
     new_k = torch.cat([kk[-n:] for kk, n in zip(keys, query_lens)])
     new_v = torch.cat([vv[-n:] for vv, n in zip(values, query_lens)])
@@ -90,7 +92,7 @@ def test_paged_attention_matches_reference(dtype, heads, kv_of_head, query_lens,
         _reference(qq, kk, vv, kv_of_head, c - n, b)
         for qq, kk, vv, c, n, b in zip(q, keys, values, context_lens, query_lens, tails)
     ])
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    tol = max({torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[t] for t in (dtype, cache_dtype))
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     for t, kk, vv, n in zip(tables, keys, values, query_lens):  # the new tokens' K/V are cached for later steps
         new = slots(t, range(kk.shape[0] - n, kk.shape[0]))

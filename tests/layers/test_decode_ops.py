@@ -216,6 +216,31 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(wind
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("queries,window", [(1, None), (4, None), (4, 42), (40, None)])  # decode, verification, chunk
+def test_a_float16_cache_gives_the_bits_of_a_float32_cache_holding_its_values(queries, window):
+    """The kernel widens a float16 cache's values exactly as it reads them (keys and values, the
+    output loop's 64-column blocks and its 8-column rest: d = 72): its output has the bits of the
+    same call on a float32 cache holding the same (float16-rounded) values, for two sequences'
+    decodes, verifications and a prefill chunk, with a window too."""
+    g = torch.Generator().manual_seed(queries)
+    length, d = 300, 72
+    k16, v16 = torch.randn(2, 700, 3, d, generator=g).half()
+    slots = torch.randperm(700, generator=g)[: 2 * length].view(2, length)
+    kv_head = torch.arange(9) // 3
+    q = torch.randn(2 * queries, 9, d, generator=g)
+    token_seq = torch.tensor([0] * queries + [1] * queries)
+    ends = [length - queries + 1 + i for i in range(queries)] * 2
+    key_range = torch.tensor([[0 if window is None else max(0, e - window), e] for e in ends])
+    kernels = cpu_kernels.kernels()
+    out16 = kernels.paged_attention(q, k16, v16, slots, token_seq, key_range, kv_head, 0.125)
+    out32 = kernels.paged_attention(q, k16.float(), v16.float(), slots, token_seq, key_range, kv_head, 0.125)
+    assert torch.equal(out16, out32)
+    ref = _reference(q, k16.float(), v16.float(), slots, token_seq, key_range, kv_head, 0.125)
+    torch.testing.assert_close(out16, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="both the same"):  # a float16 K beside a float32 V
+        kernels.paged_attention(q, k16, v16.float(), slots, token_seq, key_range, kv_head, 0.125)
+
+
 def test_paged_attention_takes_a_long_chunk_in_groups_with_the_same_bits():
     """A prefill chunk of 128 queries over 8,192 keys (64 spans each: more span partials than the
     kernel keeps at once, so its runs are taken in groups): each query gets the bits it gets

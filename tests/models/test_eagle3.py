@@ -182,7 +182,7 @@ class _Reference:
 def _engine_config(target: str, draft: str, **spec) -> EngineConfig:
     return EngineConfig(
         model=target, arch=ModelArchConfig.from_folder(target),
-        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=96),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks=96, kv_cache_dtype="float32"),  # against a float32 reference
         scheduler=SchedulerConfig(max_model_len=MAX_LEN, max_num_batched_tokens=512),
         speculative=SpeculativeConfig(method="eagle3", model=draft, num_speculative_tokens=K, **spec),
     )

@@ -3,7 +3,7 @@
 User errors raise ``ValueError`` naming the field, the bad value and what is allowed.
 """
 
-from tpspec.config.cache import CacheConfig
+from tpspec.config.cache import KV_CACHE_DTYPES, CacheConfig
 from tpspec.config.engine import (
     GGUF_KERNEL_METHODS,
     INTEGER_METHODS,
@@ -27,7 +27,7 @@ from tpspec.config.speculative import SpeculativeConfig
 
 __all__ = [
     "BACKENDS", "DEFAULT_MASTER_PORT", "GEMMA3_LOCAL_ROPE_THETA", "GEMMA3_SLIDING_WINDOW_PATTERN", "GGUF_KERNEL_METHODS",
-    "INTEGER_METHODS", "MODEL_DTYPES", "QUANTIZATION_METHODS", "QUANTIZATION_OPTIONS", "SAMPLING_MODES", "SUPPORTED_DTYPES", "CacheConfig",
+    "INTEGER_METHODS", "KV_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZATION_METHODS", "QUANTIZATION_OPTIONS", "SAMPLING_MODES", "SUPPORTED_DTYPES", "CacheConfig",
     "EngineConfig", "ModelArchConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "read_config_json",
     "resolve_dtype",
 ]

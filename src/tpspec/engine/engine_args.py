@@ -18,6 +18,7 @@ from tpspec.config import (
     BACKENDS,
     DEFAULT_MASTER_PORT,
     GGUF_KERNEL_METHODS,
+    KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     QUANTIZATION_OPTIONS,
     SAMPLING_MODES,
@@ -74,6 +75,10 @@ class EngineArgs:
     kv_cache_memory_gb: float = _option(
         _config_default(CacheConfig, "kv_cache_memory_gb"), "KV cache size in GiB (per engine, all layers)", float)
     num_kv_blocks: int | None = _option(None, "exact number of KV blocks (overrides --kv-cache-memory-gb)", int)
+    kv_cache_dtype: str = _option(
+        _config_default(CacheConfig, "kv_cache_dtype"), "the dtype K and V are cached in: auto = float16 on CPU "
+        "(tpspec's attention kernel widens each value exactly as it reads it: half the bytes, faster attention over "
+        "long contexts and many sequences, twice the tokens per GiB), the model's dtype elsewhere", str, KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _option(
         _config_default(CacheConfig, "enable_prefix_caching"), "reuse the KV of full blocks a request shares with "
         "earlier ones (a common system prompt, a chat's history): prefilled once", bool)
@@ -178,6 +183,11 @@ class EngineArgs:
             reason = cpu_kernels.unavailable()
             if reason:
                 raise ValueError(f"quantization={quantization!r} needs tpspec's CPU kernels, unavailable here: {reason}")
+        import torch
+
+        from tpspec.layers.attention import kv_cache_dtype, num_kv_blocks
+
+        kv_dtype = str(kv_cache_dtype(self.kv_cache_dtype, getattr(torch, dtype), device_kind)).removeprefix("torch.")
         warning = emulated_dtype_warning(dtype) if device_kind == "cpu" else None
         if warning:
             logger.warning("%s", warning)
@@ -199,7 +209,7 @@ class EngineArgs:
             ),
             cache=CacheConfig(block_size=self.block_size, num_gpu_blocks=self.num_kv_blocks,
                               kv_cache_memory_gb=self.kv_cache_memory_gb,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=kv_dtype),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -213,10 +223,6 @@ class EngineArgs:
             quantization=quantization,
             batch_invariant=self.batch_invariant,
         )
-        import torch
-
-        from tpspec.layers.attention import num_kv_blocks
-
         num_blocks = num_kv_blocks(config, torch.device(device_kind))  # what every rank will allocate
         capacity = num_blocks * config.cache.block_size
         if capacity < config.scheduler.max_model_len:

@@ -24,11 +24,19 @@ from tpspec.config import EngineConfig
 from tpspec.layers import cpu_kernels
 
 
-def kv_cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The dtype K/V are cached in: the model's, except float16 on CPU, cached in float32 since
-    it attends in float32 (``Attention``); upcasting each new token once beats upcasting the
-    whole context in every layer of every step."""
-    if model_dtype == torch.float16 and torch.device(device).type == "cpu":
+def kv_cache_dtype(requested: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype K/V are cached in (``CacheConfig.kv_cache_dtype``). "auto": float16 on CPU for a
+    float32 or float16 model where tpspec's CPU kernels are built, whose attention widens each cached
+    value exactly to float32 (half the bytes of a float32 cache: 1.2-1.7x faster attention where
+    it reads many keys, twice the tokens a cache holds; benchmarks/README.md); elsewhere the model's,
+    except float16 on CPU, cached in float32 since PyTorch's path attends in float32 (upcasting each
+    new token once beats upcasting the whole context in every layer of every step)."""
+    if requested != "auto":
+        return getattr(torch, requested)
+    cpu = torch.device(device).type == "cpu"
+    if cpu and model_dtype in (torch.float32, torch.float16) and cpu_kernels.unavailable() is None:
+        return torch.float16
+    if model_dtype == torch.float16 and cpu:
         return torch.float32
     return model_dtype
 
@@ -38,7 +46,7 @@ def num_kv_blocks(config: EngineConfig, device: torch.device) -> int:
     if config.cache.num_gpu_blocks is not None:
         return config.cache.num_gpu_blocks
     a = config.arch
-    elem = kv_cache_dtype(getattr(torch, config.dtype), device).itemsize
+    elem = kv_cache_dtype(config.cache.kv_cache_dtype, getattr(torch, config.dtype), device).itemsize
     per_block = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * config.cache.block_size * elem
     return max(1, int(config.cache.kv_cache_memory_gb * (1 << 30)) // per_block)
 
@@ -47,13 +55,11 @@ def allocate_kv_cache(
     num_layers: int,
     num_slots: int,
     kv_cache_shape: tuple[int, int],  # (kv_heads, head_dim) per slot, a model's ``kv_cache_shape``
-    model_dtype: torch.dtype,
+    dtype: torch.dtype,  # the cache's, ``kv_cache_dtype(...)``
     device: torch.device | str = "cpu",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A paged KV cache: per layer, zeroed K and V of ``[num_slots, kv_heads, head_dim]`` in
-    ``kv_cache_dtype(model_dtype, device)``."""
+    """A paged KV cache: per layer, zeroed K and V of ``[num_slots, kv_heads, head_dim]``."""
     shape = (num_slots, *kv_cache_shape)
-    dtype = kv_cache_dtype(model_dtype, device)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
@@ -329,8 +335,9 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """softmax(Q·Kᵀ/√d + mask)·V per head, with this rank's heads and the KV heads they read.
 
-    Float32 steps on CPU (decodes, k + 1 verification queries, draft blocks, prefill chunks) go
-    through ``cpu_kernels``' paged_attention where it is loaded: every query reads its own key range
+    Float32 steps on CPU (decodes, k + 1 verification queries, draft blocks, prefill chunks), their
+    cache float32 or float16 (each value widened exactly as it is read), go through ``cpu_kernels``'
+    paged_attention where it is loaded: every query reads its own key range
     (``AttentionMetadata.key_range``) where the keys lie in the paged cache, no gather, no mask
     (2-3x PyTorch's path at one sequence, 1.4-2.8x on 512-token prefill chunks, down to 0.6x on
     64-query chunks over 2,048 keys: benchmarks/README.md). A query's output then depends on its
@@ -378,16 +385,21 @@ class Attention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads · head_dim]
         k_cache, v_cache = kv_cache
-        # CPU float16 batched matmuls are several times slower than float32's: float16 attends in
-        # float32, which its cache is kept in (kv_cache_dtype); otherwise compute = the model's dtype.
-        compute = k_cache.dtype
-        k_cache.index_copy_(0, md.slot_mapping, k.to(compute))
-        v_cache.index_copy_(0, md.slot_mapping, v.to(compute))
+        cache = k_cache.dtype
+        # CPU float16 batched matmuls are several times slower than float32's: a float16 cache on CPU
+        # attends in float32 (widened in the kernel, or after the gather); otherwise the wider of the
+        # queries' and the cache's dtype.
+        compute = torch.float32 if cache == torch.float16 and k_cache.is_cpu else torch.promote_types(q.dtype, cache)
+        k_cache.index_copy_(0, md.slot_mapping, k.to(cache))
+        v_cache.index_copy_(0, md.slot_mapping, v.to(cache))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
-        kernels = cpu_kernels.usable(q, k_cache) if compute == torch.float32 and d % 8 == 0 else None
-        if kernels is not None:  # the cache read in place, no gather
-            out = kernels.paged_attention(q.to(compute).contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
+        kernels = None
+        if compute == torch.float32 and cache in (torch.float32, torch.float16) and d % 8 == 0:
+            q = q.to(compute)  # a float16 model's queries widened
+            kernels = cpu_kernels.usable(q, k_cache if cache == torch.float32 else None)
+        if kernels is not None:  # the cache read in place (a float16 one widened as read), no gather
+            out = kernels.paged_attention(q.contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
                                           md.key_range(self.sliding_window), self.kv_head_of_head, self.scale)
             return out.to(k.dtype)
         # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
@@ -401,7 +413,7 @@ class Attention(nn.Module):
             rows = self.context_rows(md)
             keys = k_cache.view(-1, d).index_select(0, rows).view(shape)
             values = v_cache.view(-1, d).index_select(0, rows).view(shape)
-        q = q.to(compute)
+        keys, values, q = keys.to(compute), values.to(compute), q.to(compute)
         outs = []  # per group: [valid queries, num_heads · d]
         q_padded = None  # [num_tokens + 1, heads, d]: the step's queries and one zero query for padding
         for g in md.groups:

@@ -25,7 +25,7 @@ import torch
 from tpspec.config import GGUF_KERNEL_METHODS, EngineConfig, ModelArchConfig, SpeculativeConfig
 from tpspec.distributed import comm
 from tpspec.layers.argmax import argmax_rows
-from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
 from tpspec.layers.cpu_weights import pack_cpu_weights
 from tpspec.sample import token_bitmask
 from tpspec.sample.sampler import SamplingMetadata
@@ -311,7 +311,8 @@ class DraftModelSpeculator(Speculator):
 
     def _allocate_kv(self, model: torch.nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The drafter's paged KV cache, ``num_kv_slots`` slots (the target's block tables address it)."""
-        return allocate_kv_cache(num_layers, self.num_kv_slots, model.kv_cache_shape, model.dtype, self.device)
+        dtype = kv_cache_dtype(self.engine_config.cache.kv_cache_dtype, model.dtype, self.device)
+        return allocate_kv_cache(num_layers, self.num_kv_slots, model.kv_cache_shape, dtype, self.device)
 
     # ---- draft selection --------------------------------------------------------------------
     def _greedy_sample_draft(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:

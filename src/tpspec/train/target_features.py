@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tpspec.config import ModelArchConfig
-from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
 from tpspec.spec_decode.speculator import target_features
@@ -38,7 +38,8 @@ class TargetFeatureExtractor:
             blocks = (n + BLOCK - 1) // BLOCK
             tables.append(list(range(next_block, next_block + blocks)))
             next_block += blocks
-        kv = allocate_kv_cache(self.arch.num_hidden_layers, next_block * BLOCK, self.model.kv_cache_shape, self.dtype, self.device)
+        dtype = kv_cache_dtype("auto", self.dtype, self.device)  # as an engine caches them by default
+        kv = allocate_kv_cache(self.arch.num_hidden_layers, next_block * BLOCK, self.model.kv_cache_shape, dtype, self.device)
         md = AttentionMetadata.build(lens, lens, tables, BLOCK, self.device)
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)

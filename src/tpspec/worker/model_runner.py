@@ -19,7 +19,7 @@ from tpspec.distributed import comm
 from tpspec.distributed.parallel_state import get_tp_rank
 from tpspec.layers import cpu_kernels
 from tpspec.layers.argmax import argmax_rows
-from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, num_kv_blocks
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache, kv_cache_dtype, num_kv_blocks
 from tpspec.layers.cpu_weights import CPU_FLOAT16_MAX_ROWS, INTEGER_FORMATS, pack_cpu_weights
 from tpspec.models.loader.safetensors import iterate_weights
 from tpspec.models.registry import get_model_class
@@ -93,7 +93,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(self.config, self.device)
         self.kv_caches = allocate_kv_cache(
             self.config.arch.num_hidden_layers, self.num_blocks * self.block_size, self.model.kv_cache_shape,
-            self.dtype, self.device,
+            kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype, self.device), self.device,
         )
         logger.info(
             "rank %d: loaded %d tensors (%d local parameters) in %.1f s; KV cache %d blocks of %d tokens",

@@ -160,12 +160,13 @@ static constexpr int64_t PV_TILE = 32;  // keys per tile of the output loop (the
 static constexpr int64_t SPAN = 128;  // keys per span (a multiple of PV_TILE): 32 KB of keys and of values at d = 64
 static constexpr int64_t PARTS_CAP = int64_t{1} << 22;  // floats of span partials kept at once (16 MB)
 
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
-                              at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [T, H, d]");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kFloat
-              && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "k_cache, v_cache: contiguous float32 [slots, KVH, d]");
+// 8 cached values as float32: a float32 cache's as they are, a float16 cache's widened (exact).
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <typename KV>  // the caches' element: float (float32) or uint16_t (float16's bits)
+static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                                       at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
   const int64_t T = q.size(0), H = q.size(1), d = q.size(2), N = k_cache.size(0), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && d % 8 == 0, "the caches' head size must be q's, a multiple of 8");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: contiguous int64 [S, L]");
@@ -226,12 +227,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const int64_t C = chunks.size();
   auto out = at::empty({T, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
+  const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
+  constexpr int64_t per_line = 64 / sizeof(KV);  // cached values a cache line
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t row = KVH * d;  // a slot's floats
+  const int64_t row = KVH * d;  // a slot's values
   const int64_t part = d + 2;  // a span's (o [d], m, l) for one query vector
   // Query t's keys meet spans first_span[t] … first_span[t] + nspan[t] − 1; the partials of its head
   // h and span s sit at parts[qoff[t] + (h · nspan[t] + s − first_span[t]) · part], qoff counted
@@ -293,7 +295,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         const auto [t0, t1] = runs[run];
         const std::vector<int64_t>& heads = chunks[b % C];
         const int64_t G = heads.size(), M = (t1 - t0) * G;
-        const int64_t off = hp[heads[0]] * d;  // the KV head's floats within a slot
+        const int64_t off = hp[heads[0]] * d;  // the KV head's values within a slot
         const int64_t* ss = sp + tsp[t0] * L;  // the run's sequence's slots
         const int64_t s0 = span * SPAN, s1 = s0 + SPAN;
         // Query vector m = (query t0 + m / G, head heads[m % G]); its keys in this span [lo[m], hi[m])
@@ -327,13 +329,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         for (int64_t m = 0; m < M; ++m) mx8[m] = _mm256_set1_ps(neg_inf);
         for (int64_t blk = base; blk < top; ++blk) {
           const int64_t u = blk * 8;
-          const float* kt[8];
+          const KV* kt[8];
           for (int e = 0; e < 8; ++e) kt[e] = kp + ss[std::min(u + e, span_end - 1)] * row + off;  // past the span: a repeat, masked
           // Cold caches (a forward's other layers came between): the keys two blocks ahead into L1,
           // and this block's values into L2 for the output loop below.
           for (int e = 0; e < 8; ++e) {
             const int64_t ahead = ss[std::min(u + 16 + e, span_end - 1)] * row + off, here = ss[std::min(u + e, span_end - 1)] * row + off;
-            for (int64_t i = 0; i < d; i += 16) {
+            for (int64_t i = 0; i < d; i += per_line) {
               _mm_prefetch(reinterpret_cast<const char*>(kp + ahead + i), _MM_HINT_T0);
               _mm_prefetch(reinterpret_cast<const char*>(vp + here + i), _MM_HINT_T1);
             }
@@ -344,7 +346,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
             for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8) {
               const __m256 qv = _mm256_loadu_ps(qh[m] + i);
-              for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[e] + i), qv, a[e]);
+              for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(load8(kt[e] + i), qv, a[e]);
             }
             const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
             const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
@@ -394,16 +396,16 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
             for (int64_t i = 0; i < whole; i += 64) {
               __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
               for (int64_t u = u0; u < u1; ++u) {
-                const float* vt = vp + ss[u] * row + off + i;
+                const KV* vt = vp + ss[u] * row + off + i;
                 const __m256 wt = _mm256_broadcast_ss(pu + u);
-                c0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt), c0);
-                c1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8), c1);
-                c2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 16), c2);
-                c3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 24), c3);
-                c4 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 32), c4);
-                c5 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 40), c5);
-                c6 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 48), c6);
-                c7 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 56), c7);
+                c0 = _mm256_fmadd_ps(wt, load8(vt), c0);
+                c1 = _mm256_fmadd_ps(wt, load8(vt + 8), c1);
+                c2 = _mm256_fmadd_ps(wt, load8(vt + 16), c2);
+                c3 = _mm256_fmadd_ps(wt, load8(vt + 24), c3);
+                c4 = _mm256_fmadd_ps(wt, load8(vt + 32), c4);
+                c5 = _mm256_fmadd_ps(wt, load8(vt + 40), c5);
+                c6 = _mm256_fmadd_ps(wt, load8(vt + 48), c6);
+                c7 = _mm256_fmadd_ps(wt, load8(vt + 56), c7);
               }
               float* oi = o + i;
               _mm256_storeu_ps(oi, _mm256_add_ps(_mm256_loadu_ps(oi), c0));
@@ -418,7 +420,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
             for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
               __m256 c = _mm256_setzero_ps();
               for (int64_t u = u0; u < u1; ++u)
-                c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), _mm256_loadu_ps(vp + ss[u] * row + off + i), c);
+                c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), load8(vp + ss[u] * row + off + i), c);
               _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i), c));
             }
           }
@@ -457,4 +459,15 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     i0 = i1;
   }
   return out;
+}
+
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
+                              at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [T, H, d]");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && (dtype == at::kFloat || dtype == at::kHalf)
+              && v_cache.scalar_type() == dtype && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k_cache, v_cache: contiguous float32 or float16 [slots, KVH, d], both the same");
+  return dtype == at::kFloat ? paged_attention_impl<float>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale)
+                             : paged_attention_impl<uint16_t>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale);
 }
