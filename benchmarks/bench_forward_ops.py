@@ -4,10 +4,12 @@ on the default model at TP 1 and its default quantization: c sequences of ``--co
 ``--rows`` new tokens each (1: decode; k + 1: a verification), random ids, the same KV cache.
 Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each. With
 ``--attention-baseline-commit REV`` the other forward is instead this one with the paged-attention
-kernel of commit REV.
+kernel of commit REV; with ``--kv-float32`` it is this one over a float32 copy of the KV cache (the
+engine's default on CPU is float16, ``--kv-cache-dtype``).
 
   python3 benchmarks/bench_forward_ops.py --shapes 1x1 1x4 32x1 --result-file benchmarks/results/forward_ops.json
   python3 benchmarks/bench_forward_ops.py --attention-baseline-commit c5563c8 --context 1000 --shapes 1x1 1x4
+  python3 benchmarks/bench_forward_ops.py --kv-float32 --context 400 --shapes 1x1 1x4 32x1
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class _BaselineAttention:
         return self.baseline.paged_attention if name == "paged_attention" else getattr(self.kernels, name)
 
 
-def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int, baseline=None) -> dict:
+def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int, baseline=None,
+            kv_float32: bool = False) -> dict:
     runner = engine.executor.runner
     model = runner.model
     block = engine.config.cache.block_size
@@ -45,10 +48,15 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
     without = types.SimpleNamespace(usable=lambda *tensors: None)  # the layers' PyTorch path
     loaded = cpu_kernels._MODULE
     times: dict[str, list[float]] = {"kernels": [], "pytorch": []}
+    caches = {"kernels": runner.kv_caches, "pytorch": runner.kv_caches}
+    if kv_float32:  # "pytorch" stands for the same forward over a float32 copy of the cache
+        caches["pytorch"] = [(k.float(), v.float()) for k, v in runner.kv_caches]
     with torch.inference_mode():
         for i in range(2 * (forwards + warmup)):
             kind = "kernels" if i % 2 else "pytorch"
-            if baseline is None:
+            if kv_float32:
+                pass
+            elif baseline is None:
                 rotary.cpu_kernels = activation.cpu_kernels = kernels if kind == "kernels" else without
             else:  # "pytorch" stands for the baseline attention kernel
                 cpu_kernels._MODULE = loaded if kind == "kernels" else _BaselineAttention(loaded, baseline)
@@ -56,7 +64,7 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
             positions = torch.tensor([context - rows + j for _ in range(seqs) for j in range(rows)])
             t0 = time.perf_counter()
             md = AttentionMetadata.build([rows] * seqs, [context] * seqs, tables, block, torch.device("cpu"))
-            hidden, _ = model(ids, positions, runner.kv_caches, md)
+            hidden, _ = model(ids, positions, caches[kind], md)
             model.compute_logits(hidden)
             if i >= 2 * warmup:
                 times[kind].append(time.perf_counter() - t0)
@@ -75,6 +83,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--attention-baseline-commit", default=None,
                    help="compare against this commit's paged-attention kernel instead of PyTorch's rotary and SwiGLU")
+    p.add_argument("--kv-float32", action="store_true",
+                   help="compare against the same forward over a float32 KV cache instead")
     p.add_argument("--result-file")
     args = p.parse_args()
     from tpspec.engine.llm_engine import LLMEngine
@@ -86,11 +96,13 @@ def main() -> None:
         baseline = build_baseline(args.attention_baseline_commit)
     engine = LLMEngine.from_args(max_num_seqs=64)
     results = []
-    other = f"{args.attention_baseline_commit}'s attention" if baseline else "PyTorch ops"
-    print(f"| Seqs | Rows a seq | Kernels (ms) | {other} (ms) | {other} / kernels |\n|---|---|---|---|---|")
+    other = ("a float32 KV cache" if args.kv_float32 else f"{args.attention_baseline_commit}'s attention" if baseline
+             else "PyTorch ops")
+    this = "A float16 KV cache" if args.kv_float32 else "Kernels"
+    print(f"| Seqs | Rows a seq | {this} (ms) | {other} (ms) | {other} / {this.lower()} |\n|---|---|---|---|---|")
     for shape in args.shapes:
         seqs, rows = (int(v) for v in shape.split("x"))
-        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup, baseline)
+        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup, baseline, args.kv_float32)
         results.append(r)
         print(f"| {seqs} | {rows} | {r['kernels_ms']:.2f} | {r['pytorch_ms']:.2f} | {r['pytorch_over_kernels']:.3f} |")
     engine.shutdown()
