@@ -9,6 +9,7 @@ from tpspec.config.checks import check_int
 # What K and V may be cached in; "auto" is resolved per device (layers.attention.kv_cache_dtype).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

@@ -27,8 +27,8 @@ from tpspec.layers import cpu_kernels
 def kv_cache_dtype(requested: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype K/V are cached in (``CacheConfig.kv_cache_dtype``). "auto": float16 on CPU for a
     float32 or float16 model where tpspec's CPU kernels are built, whose attention widens each cached
-    value exactly to float32 (half the bytes of a float32 cache: 1.2-1.7x faster attention where
-    it reads many keys, twice the tokens a cache holds; benchmarks/README.md); elsewhere the model's,
+    value exactly to float32 (half the bytes of a float32 cache: attention 1.1-1.6x faster, most
+    where it reads many keys, twice the tokens a cache holds; benchmarks/README.md); elsewhere the model's,
     except float16 on CPU, cached in float32 since PyTorch's path attends in float32 (upcasting each
     new token once beats upcasting the whole context in every layer of every step)."""
     if requested != "auto":
