@@ -135,9 +135,10 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
 
 // Queries of any number of sequences over the layer's paged KV cache, read in place (no gather):
 // q [T, H, d] float32; k_cache, v_cache [N, KVH, d] (slots), both float32 or both float16 (each value
-// widened exactly as it is read); slots [S, L] int64, the slot of each of sequence s's keys; token_seq [T] int64, the row of slots each query reads; key_range [T, 2] int64, the
-// first and one-past-last of those keys it attends to (a causal query: 0 and its position + 1);
-// kv_head [H] int64, the KV head each query head reads. -> softmax(q·kᵀ·scale)·v as [T, H · d].
+// widened exactly as it is read); slots [S, L] int64, the slot of each of sequence s's keys;
+// token_seq [T] int64, the row of slots each query reads; key_range [T, 2] int64, the first and
+// one-past-last of those keys it attends to (a causal query: 0 and its position + 1); kv_head [H]
+// int64, the KV head each query head reads. -> softmax(q·kᵀ·scale)·v as [T, H · d].
 //
 // Keys are taken in spans of SPAN at fixed positions (keys 0 … SPAN − 1, SPAN … 2·SPAN − 1, …). A work
 // item is (a run of consecutive queries of one sequence, up to MAX_HEADS query heads of one KV head,
