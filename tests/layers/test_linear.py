@@ -104,3 +104,24 @@ def test_reordered_weight_follows_the_weight(monkeypatch):
     assert layer.packed_weight() is not first
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
     assert ReplicatedLinear(32, 16, False, torch.bfloat16).packed_weight() is None
+
+
+def test_a_layers_remembered_packed_weight_follows_new_storage_and_repacking():
+    """The layer remembers its weight's packed form between forwards; a new storage (``.data``
+    replaced) or a re-pack in another format (``pack_cpu_weights`` after a forward) is followed."""
+    from tpspec.layers import q4_1
+    from tpspec.layers.cpu_weights import pack_cpu_weights
+
+    layer = ReplicatedLinear(32, 16, False, torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(q4_1.round_to_q4_1(torch.randn(16, 32)))
+    x = torch.randn(3, 32)
+    first = layer.packed_weight()
+    assert layer.packed_weight() is first and first.format == "onednn"
+    layer.weight.data = q4_1.round_to_q4_1(torch.randn(16, 32))  # a new storage, the same Parameter
+    second = layer.packed_weight()
+    assert second is not first
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+    pack_cpu_weights(layer, "w4a16")  # exactly Q4_1: the integer kernel's format
+    assert layer.packed_weight().format == "q4_1_int8"
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-3, atol=1e-3)

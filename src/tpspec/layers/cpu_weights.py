@@ -173,7 +173,19 @@ class PackedCPUWeight:
     weight: nn.Parameter
 
     def packed_weight(self) -> PackedWeight | None:
-        return packed_weight_of(self.weight)
+        """``packed_weight_of(self.weight)``, its registry entry remembered on the layer while it
+        is still the entry for the same tensor at the same version (a forward looks 121 weights up;
+        this check is a forward 1.03-1.04x faster at one row than the full lookup)."""
+        w = self.weight
+        last = self.__dict__.get("_packed_last")  # (the weight, its _PACKED entry when looked up)
+        if last is not None and last[0] is w:
+            entry = _PACKED.get(w.data_ptr())
+            if entry is last[1] and entry[1] == w._version:  # not re-packed, not changed since
+                return entry[2]
+        packed = packed_weight_of(w)
+        entry = _PACKED.get(w.data_ptr())
+        self.__dict__["_packed_last"] = (w, entry) if entry is not None and entry[2] is packed else None
+        return packed
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x·Wᵀ (+ bias) through the packed kernel, inside a ``torch.compile``d graph too.
