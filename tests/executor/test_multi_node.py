@@ -340,3 +340,35 @@ def test_the_node_exits_when_the_head_is_killed(tiny_llama, tmp_path):
         head.stop()
         node.kill_tree()
     _assert_gone(node_pids, timeout=5)
+
+
+def test_a_reset_connection_reads_as_the_peer_closing_it():
+    """A killed node's socket is reset, not closed, when it had unread data: the head says the
+    node closed the connection either way (the message the killed-node test reads)."""
+    from tpspec.executor.node_link import Link, LinkClosed
+
+    server = socket.create_server(("127.0.0.1", 0))
+    b = socket.create_connection(server.getsockname())
+    a, _ = server.accept()
+    server.close()
+    link = Link(a, "node 1 (vm, pid 7)")
+    b.close()  # EOF
+    with pytest.raises(LinkClosed, match=r"^node 1 \(vm, pid 7\) closed the connection$"):
+        link.recv(1.0)
+
+    class Resetting:
+        def settimeout(self, t):
+            pass
+
+        def recv(self, n):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        def sendall(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    link.sock = Resetting()
+    with pytest.raises(LinkClosed, match=r"closed the connection \(Connection reset by peer\)"):
+        link.recv(1.0)
+    with pytest.raises(LinkClosed, match=r"closed the connection \(Broken pipe\)"):
+        link.send("hb")
+    a.close()

@@ -73,7 +73,14 @@ class Link:
             with self._send_lock:
                 self.sock.sendall(data)
         except OSError as e:
-            raise LinkClosed(f"{self.peer}: {e}") from e
+            raise LinkClosed(self._closed(e)) from e
+
+    def _closed(self, e: OSError) -> str:
+        """What a socket error says: a peer whose process died resets the connection when it had
+        unread data (ECONNRESET) instead of closing it (EOF); both are the peer closing it."""
+        if isinstance(e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+            return f"{self.peer} closed the connection ({e.strerror or e})"
+        return f"{self.peer}: {e}"
 
     def recv(self, timeout_s: float) -> dict:
         """The next message; ``LinkClosed`` when the connection ends, ``TimeoutError`` after ``timeout_s``."""
@@ -88,7 +95,7 @@ class Link:
             except socket.timeout:
                 continue
             except OSError as e:
-                raise LinkClosed(f"{self.peer}: {e}") from e
+                raise LinkClosed(self._closed(e)) from e
             if not chunk:
                 raise LinkClosed(f"{self.peer} closed the connection")
             self._buf += chunk
