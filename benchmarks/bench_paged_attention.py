@@ -92,6 +92,16 @@ def time_calls(call, layers: int, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def alternating_us(first, second, layers: int, calls: int, repeats: int, rounds: int) -> tuple[float, float]:
+    """Median microseconds a call of ``first`` and of ``second`` (each ``call(layer)``), timed in
+    alternating rounds on the same inputs."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(time_calls(first, layers, calls, repeats))
+        b.append(time_calls(second, layers, calls, repeats))
+    return statistics.median(a) * 1e6, statistics.median(b) * 1e6
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     reason = cpu_kernels.unavailable()
@@ -127,37 +137,26 @@ def main(argv=None) -> int:
                                torch_us=torch_s * 1e6, max_diff=diff)
                     line = (f"| {seqs} | {ctx} | {q_len} | {kernel_s * 1e6:.1f} | {torch_s * 1e6:.1f} | "
                             f"{torch_s / kernel_s:.2f} | {diff:.1e} |")
-                    if baseline:  # the two kernels alone, alternating rounds, on the same inputs
-                        key_range = md.key_range(None)
+                    key_range = md.key_range(None)
 
-                        def kernel_call(mod):
-                            return lambda i: mod.paged_attention(q, *caches[i], md.context_slots, md.token_seq,
-                                                                 key_range, attn.kv_head_of_head, attn.scale)
+                    def kernel_call(mod, cs):  # the kernel alone on these caches
+                        return lambda i: mod.paged_attention(q, *cs[i], md.context_slots, md.token_seq, key_range,
+                                                             attn.kv_head_of_head, attn.scale)
 
-                        new_s, old_s = [], []
-                        for _ in range(2):
-                            new_s.append(time_calls(kernel_call(module), args.layers, args.calls, args.repeats))
-                            old_s.append(time_calls(kernel_call(baseline), args.layers, args.calls, args.repeats))
-                        new_us, old_us = statistics.median(new_s) * 1e6, statistics.median(old_s) * 1e6
+                    timing = (args.layers, args.calls, args.repeats)
+                    if baseline:  # the two kernels, alternating rounds, on the same inputs
+                        new_us, old_us = alternating_us(kernel_call(module, caches), kernel_call(baseline, caches),
+                                                        *timing, rounds=2)
                         row.update(kernel_call_us=new_us, baseline_call_us=old_us)
                         line += f" {new_us:.1f} | {old_us:.1f} | {old_us / new_us:.2f} |"
-                    if args.kv_float16:  # the kernel alone on each, alternating rounds
-                        key_range = md.key_range(None)
+                    if args.kv_float16:  # the kernel on each, alternating rounds
                         # the caches as they are now (the layer wrote the new tokens), float16 values in both
                         rounded = [(k.half().float(), v.half().float()) for k, v in caches]
                         half_caches = [(k.half(), v.half()) for k, v in caches]
-
-                        def call_on(cs):
-                            return lambda i: module.paged_attention(q, *cs[i], md.context_slots, md.token_seq, key_range,
-                                                                    attn.kv_head_of_head, attn.scale)
-
-                        if not torch.equal(call_on(rounded)(0), call_on(half_caches)(0)):
+                        if not torch.equal(kernel_call(module, rounded)(0), kernel_call(module, half_caches)(0)):
                             raise SystemExit("a float16 cache gave other bits than float32 holding its values")
-                        f32, f16 = [], []
-                        for _ in range(3):
-                            f32.append(time_calls(call_on(rounded), args.layers, args.calls, args.repeats))
-                            f16.append(time_calls(call_on(half_caches), args.layers, args.calls, args.repeats))
-                        f32_us, f16_us = statistics.median(f32) * 1e6, statistics.median(f16) * 1e6
+                        f32_us, f16_us = alternating_us(kernel_call(module, rounded), kernel_call(module, half_caches),
+                                                        *timing, rounds=3)
                         row.update(float32_cache_us=f32_us, float16_cache_us=f16_us)
                         line += f" {f32_us:.1f} | {f16_us:.1f} | {f32_us / f16_us:.2f} |"
                     rows.append(row)

@@ -276,16 +276,21 @@ def test_paged_attention_refuses_indices_outside_its_inputs(slots, token_seq, ke
                                               torch.tensor(token_seq), torch.tensor(key_range), torch.tensor([0]), 1.0)
 
 
-def test_attention_layer_takes_the_kernel_for_every_float32_step(monkeypatch):
+@pytest.mark.parametrize("model_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                                     (torch.float16, torch.float16)])
+def test_attention_layer_takes_the_kernel_for_every_float32_step(model_dtype, cache_dtype, monkeypatch):
+    """Float32 steps, over a float32 or a float16 cache (a float16 model's queries widened), read
+    the cache in place through the kernel; bfloat16 attends through PyTorch."""
     cpu_kernels.kernels()  # loaded
     calls = _count_calls(monkeypatch, "paged_attention")
     attn = Attention(4, 2, 16, torch.tensor([0, 0, 1, 1]))
-    cache = (torch.randn(128, 2, 16), torch.randn(128, 2, 16))
+    cache = (torch.randn(128, 2, 16).to(cache_dtype), torch.randn(128, 2, 16).to(cache_dtype))
     for query_lens in ([1, 1], [4, 1], [16, 1], [17, 1], [21, 9]):  # decodes, verification, prefill chunks
         calls.clear()
         md = AttentionMetadata.build(query_lens, [21, 9], [list(range(6)), [8, 7, 6]], 4, torch.device("cpu"))
         n = sum(query_lens)
-        attn(torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16), cache, md)
+        qkv = [torch.randn(n, h, 16).to(model_dtype) for h in (4, 2, 2)]
+        attn(*qkv, cache, md)
         assert len(calls) == 1
         assert calls[0][3] is md.context_slots  # the cache read in place, at every key's slot
     calls.clear()

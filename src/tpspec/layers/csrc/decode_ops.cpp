@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "vector_sum.h"
@@ -393,61 +395,46 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
           // both (1.04-1.09x faster at 4-8 queries; a decode's vectors, paired, were 2-3 % slower at
           // 32 sequences). A vector's lanes take the same fused multiply-adds in the same key order
           // paired or alone, so its bits are the same either way.
-          int64_t act[MAX_VECS], n_act = 0;
+          // Query vector m's keys in the tile [u0, u1), and the probability of key u at pu[u].
+          auto keys_of = [&](int64_t m) { return std::make_pair(std::max(lo[m], t), std::min(hi[m], t + PV_TILE)); };
+          auto probs_of = [&](int64_t m) { return p.data() + m * span_max - 8 * base; };
+          int64_t act[MAX_VECS], n_act = 0;  // the vectors with keys in the tile
           for (int64_t m = 0; m < M; ++m)
-            if (std::max(lo[m], t) < std::min(hi[m], t + PV_TILE)) act[n_act++] = m;
+            if (const auto [u0, u1] = keys_of(m); u0 < u1) act[n_act++] = m;
           const int64_t whole = d / 64 * 64;
           int64_t paired = 0;
           for (; paired + 1 < n_act && whole > 0 && t1 - t0 > 1; paired += 2) {  // decodes alone: no faster paired
-            const int64_t ma = act[paired], mb = act[paired + 1];
-            const int64_t ua0 = std::max(lo[ma], t), ua1 = std::min(hi[ma], t + PV_TILE);
-            const int64_t ub0 = std::max(lo[mb], t), ub1 = std::min(hi[mb], t + PV_TILE);
-            const float* pa = p.data() + ma * span_max - 8 * base;  // probability of key u at pa[u]
-            const float* pb = p.data() + mb * span_max - 8 * base;
-            float* oa = part_of[ma];
-            float* ob = part_of[mb];
-            for (int64_t i = 0; i < whole; i += 32) {
-              __m256 ca[4], cb[4];
-              for (int k = 0; k < 4; ++k) ca[k] = cb[k] = _mm256_setzero_ps();
-              for (int64_t u = std::min(ua0, ub0); u < std::max(ua1, ub1); ++u) {
-                const KV* vt = vp + ss[u] * row + off + i;
-                const __m256 v0 = load8(vt), v1 = load8(vt + 8), v2 = load8(vt + 16), v3 = load8(vt + 24);
-                if (u >= ua0 && u < ua1) {
-                  const __m256 w = _mm256_broadcast_ss(pa + u);
-                  ca[0] = _mm256_fmadd_ps(w, v0, ca[0]);
-                  ca[1] = _mm256_fmadd_ps(w, v1, ca[1]);
-                  ca[2] = _mm256_fmadd_ps(w, v2, ca[2]);
-                  ca[3] = _mm256_fmadd_ps(w, v3, ca[3]);
-                }
-                if (u >= ub0 && u < ub1) {
-                  const __m256 w = _mm256_broadcast_ss(pb + u);
-                  cb[0] = _mm256_fmadd_ps(w, v0, cb[0]);
-                  cb[1] = _mm256_fmadd_ps(w, v1, cb[1]);
-                  cb[2] = _mm256_fmadd_ps(w, v2, cb[2]);
-                  cb[3] = _mm256_fmadd_ps(w, v3, cb[3]);
-                }
-              }
-              for (int k = 0; k < 4; ++k) {
-                _mm256_storeu_ps(oa + i + 8 * k, _mm256_add_ps(_mm256_loadu_ps(oa + i + 8 * k), ca[k]));
-                _mm256_storeu_ps(ob + i + 8 * k, _mm256_add_ps(_mm256_loadu_ps(ob + i + 8 * k), cb[k]));
-              }
+            const int64_t pair[2] = {act[paired], act[paired + 1]};
+            int64_t u0[2], u1[2];
+            const float* pu[2];
+            for (int s = 0; s < 2; ++s) {
+              std::tie(u0[s], u1[s]) = keys_of(pair[s]);
+              pu[s] = probs_of(pair[s]);
             }
-            for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time, each vector alone
-              for (const int64_t m : {ma, mb}) {
-                const int64_t u0 = std::max(lo[m], t), u1 = std::min(hi[m], t + PV_TILE);
-                const float* pu = p.data() + m * span_max - 8 * base;
-                __m256 c = _mm256_setzero_ps();
-                for (int64_t u = u0; u < u1; ++u)
-                  c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), load8(vp + ss[u] * row + off + i), c);
-                _mm256_storeu_ps(part_of[m] + i, _mm256_add_ps(_mm256_loadu_ps(part_of[m] + i), c));
+            for (int64_t i = 0; i < whole; i += 32) {
+              __m256 c[2][4];
+              for (int s = 0; s < 2; ++s)
+                for (int k = 0; k < 4; ++k) c[s][k] = _mm256_setzero_ps();
+              for (int64_t u = std::min(u0[0], u0[1]); u < std::max(u1[0], u1[1]); ++u) {
+                const KV* vt = vp + ss[u] * row + off + i;
+                const __m256 v[4] = {load8(vt), load8(vt + 8), load8(vt + 16), load8(vt + 24)};
+                for (int s = 0; s < 2; ++s) {
+                  if (u < u0[s] || u >= u1[s]) continue;
+                  const __m256 w = _mm256_broadcast_ss(pu[s] + u);
+                  for (int k = 0; k < 4; ++k) c[s][k] = _mm256_fmadd_ps(w, v[k], c[s][k]);
+                }
+              }
+              for (int s = 0; s < 2; ++s) {
+                float* o = part_of[pair[s]] + i;
+                for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, _mm256_add_ps(_mm256_loadu_ps(o + 8 * k), c[s][k]));
               }
             }
           }
           for (int64_t j = paired; j < n_act; ++j) {  // the last, unpaired (or all, with d < 64)
             const int64_t m = act[j];
-            const int64_t u0 = std::max(lo[m], t), u1 = std::min(hi[m], t + PV_TILE);
+            const auto [u0, u1] = keys_of(m);
             float* o = part_of[m];
-            const float* pu = p.data() + m * span_max - 8 * base;  // probability of key u at pu[u]
+            const float* pu = probs_of(m);
             for (int64_t i = 0; i < whole; i += 64) {
               __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
               for (int64_t u = u0; u < u1; ++u) {
@@ -472,11 +459,16 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
               _mm256_storeu_ps(oi + 48, _mm256_add_ps(_mm256_loadu_ps(oi + 48), c6));
               _mm256_storeu_ps(oi + 56, _mm256_add_ps(_mm256_loadu_ps(oi + 56), c7));
             }
-            for (int64_t i = whole; i < d; i += 8) {  // the rest, 8 columns at a time
+          }
+          for (int64_t j = 0; j < n_act; ++j) {  // every vector's rest, 8 columns at a time (columns are independent)
+            const int64_t m = act[j];
+            const auto [u0, u1] = keys_of(m);
+            const float* pu = probs_of(m);
+            for (int64_t i = whole; i < d; i += 8) {
               __m256 c = _mm256_setzero_ps();
               for (int64_t u = u0; u < u1; ++u)
                 c = _mm256_fmadd_ps(_mm256_broadcast_ss(pu + u), load8(vp + ss[u] * row + off + i), c);
-              _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i), c));
+              _mm256_storeu_ps(part_of[m] + i, _mm256_add_ps(_mm256_loadu_ps(part_of[m] + i), c));
             }
           }
         }
