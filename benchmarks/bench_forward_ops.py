@@ -5,11 +5,14 @@ on the default model at TP 1 and its default quantization: c sequences of ``--co
 Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each. With
 ``--attention-baseline-commit REV`` the other forward is instead this one with the paged-attention
 kernel of commit REV; with ``--kv-float32`` it is this one over a float32 copy of the KV cache (the
-engine's default on CPU is float16, ``--kv-cache-dtype``).
+engine's default on CPU is float16, ``--kv-cache-dtype``); with ``--kv-write-pytorch`` it is this
+one writing the new keys and values through PyTorch's ops (``.to`` and ``index_copy_``, as before
+the ``write_kv`` kernel).
 
   python3 benchmarks/bench_forward_ops.py --shapes 1x1 1x4 32x1 --result-file benchmarks/results/forward_ops.json
   python3 benchmarks/bench_forward_ops.py --attention-baseline-commit c5563c8 --context 1000 --shapes 1x1 1x4
   python3 benchmarks/bench_forward_ops.py --kv-float32 --context 400 --shapes 1x1 1x4 32x1
+  python3 benchmarks/bench_forward_ops.py --kv-write-pytorch --context 400 --shapes 1x1 1x4 32x1
 """
 
 from __future__ import annotations
@@ -27,18 +30,24 @@ from tpspec.layers import activation, cpu_kernels, rotary
 from tpspec.layers.attention import AttentionMetadata
 
 
-class _BaselineAttention:
-    """The loaded kernels, with ``paged_attention`` from another build."""
+class _Substituted:
+    """The loaded kernels, with some ops replaced (name -> callable)."""
 
-    def __init__(self, kernels, baseline):
-        self.kernels, self.baseline = kernels, baseline
+    def __init__(self, kernels, **ops):
+        self.kernels, self.ops = kernels, ops
 
     def __getattr__(self, name):
-        return self.baseline.paged_attention if name == "paged_attention" else getattr(self.kernels, name)
+        return self.ops[name] if name in self.ops else getattr(self.kernels, name)
+
+
+def _pytorch_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """What the attention layer did before the ``write_kv`` kernel."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int, baseline=None,
-            kv_float32: bool = False) -> dict:
+            kv_float32: bool = False, kv_write_pytorch: bool = False) -> dict:
     runner = engine.executor.runner
     model = runner.model
     block = engine.config.cache.block_size
@@ -56,10 +65,13 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
             kind = "kernels" if i % 2 else "pytorch"
             if kv_float32:
                 pass
+            elif kv_write_pytorch:  # "pytorch" stands for the keys and values written by PyTorch's ops
+                cpu_kernels._MODULE = loaded if kind == "kernels" else _Substituted(loaded, write_kv=_pytorch_write_kv)
             elif baseline is None:
                 rotary.cpu_kernels = activation.cpu_kernels = kernels if kind == "kernels" else without
             else:  # "pytorch" stands for the baseline attention kernel
-                cpu_kernels._MODULE = loaded if kind == "kernels" else _BaselineAttention(loaded, baseline)
+                cpu_kernels._MODULE = loaded if kind == "kernels" else _Substituted(
+                    loaded, paged_attention=baseline.paged_attention)
             ids = torch.randint(0, model.config.vocab_size, (seqs * rows,))
             positions = torch.tensor([context - rows + j for _ in range(seqs) for j in range(rows)])
             t0 = time.perf_counter()
@@ -85,6 +97,8 @@ def main() -> None:
                    help="compare against this commit's paged-attention kernel instead of PyTorch's rotary and SwiGLU")
     p.add_argument("--kv-float32", action="store_true",
                    help="compare against the same forward over a float32 KV cache instead")
+    p.add_argument("--kv-write-pytorch", action="store_true",
+                   help="compare against the same forward writing keys and values through PyTorch's ops instead")
     p.add_argument("--result-file")
     args = p.parse_args()
     from tpspec.engine.llm_engine import LLMEngine
@@ -96,13 +110,14 @@ def main() -> None:
         baseline = build_baseline(args.attention_baseline_commit)
     engine = LLMEngine.from_args(max_num_seqs=64)
     results = []
-    other = ("a float32 KV cache" if args.kv_float32 else f"{args.attention_baseline_commit}'s attention" if baseline
-             else "PyTorch ops")
+    other = ("a float32 KV cache" if args.kv_float32 else "PyTorch's KV writes" if args.kv_write_pytorch
+             else f"{args.attention_baseline_commit}'s attention" if baseline else "PyTorch ops")
     this = "A float16 KV cache" if args.kv_float32 else "Kernels"
     print(f"| Seqs | Rows a seq | {this} (ms) | {other} (ms) | {other} / {this.lower()} |\n|---|---|---|---|---|")
     for shape in args.shapes:
         seqs, rows = (int(v) for v in shape.split("x"))
-        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup, baseline, args.kv_float32)
+        r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup, baseline, args.kv_float32,
+                    args.kv_write_pytorch)
         results.append(r)
         print(f"| {seqs} | {rows} | {r['kernels_ms']:.2f} | {r['pytorch_ms']:.2f} | {r['pytorch_over_kernels']:.3f} |")
     engine.shutdown()

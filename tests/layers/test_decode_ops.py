@@ -276,6 +276,35 @@ def test_paged_attention_refuses_indices_outside_its_inputs(slots, token_seq, ke
                                               torch.tensor(token_seq), torch.tensor(key_range), torch.tensor([0]), 1.0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_write_kv_stores_the_bits_of_index_copy(cache_dtype, rows):
+    """Keys and values with rows strided as the model hands them over (keys: heads of the rotary
+    output [rows, q + k heads, d]; values: columns of the fused projection's output [rows, q | k | v])
+    land in their slots with the bits of ``index_copy_(k.to(cache))``: float16's rounding to
+    nearest even, subnormals, overflow to inf and NaN included; the other slots untouched."""
+    torch.manual_seed(rows)
+    kv_heads, d = 3, 16
+    k = (torch.randn(rows, 4 + kv_heads, d) * 3)[:, 4:]  # [rows, kv_heads, d], rows 7·d apart
+    k[0, 0, :4] = torch.tensor([1e-6, 70000.0, float("nan"), 2.0**-24 * 1.5])  # float16 edge cases
+    v = (torch.randn(rows, (4 + 2 * kv_heads) * d) * 3)[:, (4 + kv_heads) * d :].view(rows, kv_heads, d)  # 10·d apart
+    slot_mapping = torch.randperm(64)[:rows]
+    caches = [(torch.randn(64, kv_heads, d).to(cache_dtype), torch.randn(64, kv_heads, d).to(cache_dtype)) for _ in range(2)]
+    expected, got = caches[0], (caches[1][0].copy_(caches[0][0]), caches[1][1].copy_(caches[0][1]))
+    expected[0].index_copy_(0, slot_mapping, k.to(cache_dtype))
+    expected[1].index_copy_(0, slot_mapping, v.to(cache_dtype))
+    cpu_kernels.kernels().write_kv(k, v, got[0], got[1], slot_mapping)
+    for e, g in zip(expected, got):
+        assert torch.equal(e.view(torch.int16 if cache_dtype == torch.float16 else torch.int32),
+                           g.view(torch.int16 if cache_dtype == torch.float16 else torch.int32))
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache():
+    k_cache = torch.zeros(8, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.kernels().write_kv(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), k_cache, k_cache.clone(), torch.tensor([8]))
+
+
 @pytest.mark.parametrize("model_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
                                                      (torch.float16, torch.float16)])
 def test_attention_layer_takes_the_kernel_for_every_float32_step(model_dtype, cache_dtype, monkeypatch):
@@ -283,6 +312,7 @@ def test_attention_layer_takes_the_kernel_for_every_float32_step(model_dtype, ca
     the cache in place through the kernel; bfloat16 attends through PyTorch."""
     cpu_kernels.kernels()  # loaded
     calls = _count_calls(monkeypatch, "paged_attention")
+    writes = _count_calls(monkeypatch, "write_kv")  # wrapping the counting module above
     attn = Attention(4, 2, 16, torch.tensor([0, 0, 1, 1]))
     cache = (torch.randn(128, 2, 16).to(cache_dtype), torch.randn(128, 2, 16).to(cache_dtype))
     for query_lens in ([1, 1], [4, 1], [16, 1], [17, 1], [21, 9]):  # decodes, verification, prefill chunks
@@ -290,9 +320,14 @@ def test_attention_layer_takes_the_kernel_for_every_float32_step(model_dtype, ca
         md = AttentionMetadata.build(query_lens, [21, 9], [list(range(6)), [8, 7, 6]], 4, torch.device("cpu"))
         n = sum(query_lens)
         qkv = [torch.randn(n, h, 16).to(model_dtype) for h in (4, 2, 2)]
+        written = (cache[0].clone().index_copy_(0, md.slot_mapping, qkv[1].to(cache_dtype)),
+                   cache[1].clone().index_copy_(0, md.slot_mapping, qkv[2].to(cache_dtype)))
         attn(*qkv, cache, md)
         assert len(calls) == 1
         assert calls[0][3] is md.context_slots  # the cache read in place, at every key's slot
+        assert torch.equal(cache[0], written[0]) and torch.equal(cache[1], written[1])  # the new keys in their slots
+        assert len(writes) == (1 if model_dtype == torch.float32 else 0)  # one call (a float16 model's: PyTorch's)
+        writes.clear()
     calls.clear()
     md = AttentionMetadata.build([1], [9], [[0, 1, 2]], 4, torch.device("cpu"))
     bf16_cache = (cache[0].bfloat16(), cache[1].bfloat16())

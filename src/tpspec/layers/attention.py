@@ -390,14 +390,17 @@ class Attention(nn.Module):
         # attends in float32 (widened in the kernel, or after the gather); otherwise the wider of the
         # queries' and the cache's dtype.
         compute = torch.float32 if cache == torch.float16 and k_cache.is_cpu else torch.promote_types(q.dtype, cache)
-        k_cache.index_copy_(0, md.slot_mapping, k.to(cache))
-        v_cache.index_copy_(0, md.slot_mapping, v.to(cache))
         num_seqs, max_ctx = md.context_slots.shape
         d = self.head_dim
         kernels = None
         if compute == torch.float32 and cache in (torch.float32, torch.float16) and d % 8 == 0:
             q = q.to(compute)  # a float16 model's queries widened
             kernels = cpu_kernels.usable(q, k_cache if cache == torch.float32 else None)
+        if kernels is not None and k.dtype == torch.float32:  # one call, rounded as .to(cache) rounds
+            kernels.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        else:
+            k_cache.index_copy_(0, md.slot_mapping, k.to(cache))
+            v_cache.index_copy_(0, md.slot_mapping, v.to(cache))
         if kernels is not None:  # the cache read in place (a float16 one widened as read), no gather
             out = kernels.paged_attention(q.contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
                                           md.key_range(self.sliding_window), self.kv_head_of_head, self.scale)

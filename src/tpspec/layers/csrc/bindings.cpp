@@ -16,6 +16,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
                                         double eps);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -29,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Q8_0 weights times activations rounded to 8 or 15 bits, integer multiply-adds (int8_dot_linear.cpp)");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual) RMS-normalized, and x + residual (decode_ops.cpp)");
   m.def("paged_attention", &paged_attention, "queries over their key ranges of the paged KV cache (decode_ops.cpp)");
+  m.def("write_kv", &write_kv, "new keys and values into their slots of the paged cache (decode_ops.cpp)");
   m.def("rotary", &rotary, "rotary position embedding, rotate-half layout (decode_ops.cpp)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU: silu(gate) * up (decode_ops.cpp)");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum, torch.argmax's answer (argmax.cpp)");

@@ -518,3 +518,53 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   return dtype == at::kFloat ? paged_attention_impl<float>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale)
                              : paged_attention_impl<uint16_t>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale);
 }
+
+// The step's new keys and values into their slots of the paged cache (layers.attention), one call
+// where PyTorch dispatches four ops (two conversions, two index copies: ~9 us a layer at one row).
+// k, v [T, KVH, d] float32, unit stride along d and between heads (any row stride: columns of a fused
+// projection's output); caches [slots, KVH, d] contiguous float32, or float16 rounded to nearest even
+// as Tensor.to(float16) rounds (vcvtps2ph); slot_mapping [T] int64, each in 0 .. slots − 1. d a multiple of 8.
+template <typename KV>
+static inline void store8(KV* p, __m256 v);
+template <>
+inline void store8<float>(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+template <>
+inline void store8<uint16_t>(uint16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+template <typename KV>
+static void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const int64_t* slot, int64_t T, int64_t width) {
+  KV* kc = reinterpret_cast<KV*>(k_cache.data_ptr());
+  KV* vc = reinterpret_cast<KV*>(v_cache.data_ptr());
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    KV* kd = kc + slot[t] * width;
+    KV* vd = vc + slot[t] * width;
+    for (int64_t i = 0; i < width; i += 8) {
+      store8(kd + i, _mm256_loadu_ps(kp + t * ks + i));
+      store8(vd + i, _mm256_loadu_ps(vp + t * vs + i));
+    }
+  }
+}
+
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && (dtype == at::kFloat || dtype == at::kHalf)
+              && v_cache.scalar_type() == dtype && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k_cache, v_cache: contiguous float32 or float16 [slots, KVH, d], both the same");
+  const int64_t T = k.size(0), H = k_cache.size(1), d = k_cache.size(2), slots = k_cache.size(0);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->size(0) == T && x->size(1) == H && x->size(2) == d
+                && x->stride(2) == 1 && x->stride(1) == d, "k, v: float32 [T, KVH, d] like the cache's rows, heads adjacent");
+  TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong
+              && slot_mapping.is_contiguous(), "slot_mapping: contiguous int64 [T]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " outside the cache");
+  if (dtype == at::kFloat) write_kv_impl<float>(k, v, k_cache, v_cache, slot, T, H * d);
+  else write_kv_impl<uint16_t>(k, v, k_cache, v_cache, slot, T, H * d);
+}
