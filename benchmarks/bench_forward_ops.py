@@ -7,12 +7,14 @@ Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each. W
 kernel of commit REV; with ``--kv-float32`` it is this one over a float32 copy of the KV cache (the
 engine's default on CPU is float16, ``--kv-cache-dtype``); with ``--kv-write-pytorch`` it is this
 one writing the new keys and values through PyTorch's ops (``.to`` and ``index_copy_``, as before
-the ``write_kv`` kernel).
+the ``write_kv`` kernel); with ``--modules`` it is this one through the layers' modules instead of
+their plans of kernel calls (``models/layer_plans.py``).
 
   python3 benchmarks/bench_forward_ops.py --shapes 1x1 1x4 32x1 --result-file benchmarks/results/forward_ops.json
   python3 benchmarks/bench_forward_ops.py --attention-baseline-commit c5563c8 --context 1000 --shapes 1x1 1x4
   python3 benchmarks/bench_forward_ops.py --kv-float32 --context 400 --shapes 1x1 1x4 32x1
   python3 benchmarks/bench_forward_ops.py --kv-write-pytorch --context 400 --shapes 1x1 1x4 32x1
+  python3 benchmarks/bench_forward_ops.py --modules --context 400 --shapes 1x1 1x4 32x1
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _pytorch_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: int, baseline=None,
-            kv_float32: bool = False, kv_write_pytorch: bool = False) -> dict:
+            kv_float32: bool = False, kv_write_pytorch: bool = False, modules: bool = False) -> dict:
     runner = engine.executor.runner
     model = runner.model
     block = engine.config.cache.block_size
@@ -63,7 +65,10 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
     with torch.inference_mode():
         for i in range(2 * (forwards + warmup)):
             kind = "kernels" if i % 2 else "pytorch"
-            if kv_float32:
+            # With --modules "pytorch" stands for the modules' path; the rotary and SwiGLU comparison
+            # swaps ops inside the modules, so it runs through them on both sides
+            model.use_layer_plans = kind == "kernels" if modules else kv_float32 or kv_write_pytorch or baseline is not None
+            if kv_float32 or modules:
                 pass
             elif kv_write_pytorch:  # "pytorch" stands for the keys and values written by PyTorch's ops
                 cpu_kernels._MODULE = loaded if kind == "kernels" else _Substituted(loaded, write_kv=_pytorch_write_kv)
@@ -82,6 +87,7 @@ def measure(engine, seqs: int, rows: int, context: int, forwards: int, warmup: i
                 times[kind].append(time.perf_counter() - t0)
     rotary.cpu_kernels = activation.cpu_kernels = kernels
     cpu_kernels._MODULE = loaded
+    model.use_layer_plans = type(model).use_layer_plans
     k, p = statistics.median(times["kernels"]), statistics.median(times["pytorch"])
     return {"seqs": seqs, "rows": rows, "context": context, "kernels_ms": 1e3 * k, "pytorch_ms": 1e3 * p,
             "pytorch_over_kernels": p / k}
@@ -99,6 +105,8 @@ def main() -> None:
                    help="compare against the same forward over a float32 KV cache instead")
     p.add_argument("--kv-write-pytorch", action="store_true",
                    help="compare against the same forward writing keys and values through PyTorch's ops instead")
+    p.add_argument("--modules", action="store_true",
+                   help="compare against the same forward through the layers' modules instead of their plans")
     p.add_argument("--result-file")
     args = p.parse_args()
     from tpspec.engine.llm_engine import LLMEngine
@@ -111,13 +119,14 @@ def main() -> None:
     engine = LLMEngine.from_args(max_num_seqs=64)
     results = []
     other = ("a float32 KV cache" if args.kv_float32 else "PyTorch's KV writes" if args.kv_write_pytorch
-             else f"{args.attention_baseline_commit}'s attention" if baseline else "PyTorch ops")
-    this = "A float16 KV cache" if args.kv_float32 else "Kernels"
+             else "the modules" if args.modules else f"{args.attention_baseline_commit}'s attention" if baseline
+             else "PyTorch ops")
+    this = "A float16 KV cache" if args.kv_float32 else "Layer plans" if args.modules else "Kernels"
     print(f"| Seqs | Rows a seq | {this} (ms) | {other} (ms) | {other} / {this.lower()} |\n|---|---|---|---|---|")
     for shape in args.shapes:
         seqs, rows = (int(v) for v in shape.split("x"))
         r = measure(engine, seqs, rows, args.context, args.forwards, args.warmup, baseline, args.kv_float32,
-                    args.kv_write_pytorch)
+                    args.kv_write_pytorch, args.modules)
         results.append(r)
         print(f"| {seqs} | {rows} | {r['kernels_ms']:.2f} | {r['pytorch_ms']:.2f} | {r['pytorch_over_kernels']:.3f} |")
     engine.shutdown()

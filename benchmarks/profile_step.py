@@ -10,7 +10,9 @@ wall time); then as many with a forward pre/post hook on every module of the tar
 around ``compute_logits`` and ``ModelRunner._sample``, each region's time exclusive of the regions
 inside it (so a module's own time excludes the modules it calls).
 Host = step wall − (forward + LM head + sampling). The hooks add work of their own (a few µs per
-module call); the hooked step's wall is reported beside the plain one so their cost shows.
+module call); the hooked step's wall is reported beside the plain one so their cost shows. The
+hooked steps run through the layers' modules (``use_layer_plans`` off: a plan calls the kernels
+without them), the plain ones as the engine runs (through the plans where they apply).
 
   python3 benchmarks/profile_step.py --result-file benchmarks/results/profile_step.json
 """
@@ -77,6 +79,7 @@ def measure(concurrency: int, args) -> dict:
 
     timer = ExclusiveTimer()
     handles = []
+    runner.model.use_layer_plans = False  # every module called, so that its hooks time it
     for module in runner.model.modules():
         category = CATEGORIES.get(type(module).__name__, type(module).__name__)
         handles.append(module.register_forward_pre_hook(lambda m, a, c=category: timer.enter(c)))

@@ -182,3 +182,12 @@ def test_integer_methods_pack_exact_weights_in_the_integer_kernels_without_a_flo
         x = torch.randn(rows, 96)
         assert torch.equal(layers[0](x), int8_dot.int8_linear(x, formats[0].data))
         assert torch.equal(layers[1](x), int8_dot.int8_linear(x, formats[1].data))
+    with torch.no_grad():  # changed in place (still exactly Q4_1 and Q8_0, and not): packed again as before
+        for layer in layers:
+            layer.weight.mul_(2)
+    again = [packed_weight_of(layer.weight) for layer in layers]
+    assert [p.format for p in again] == ["q4_1_int8", "q8_0_int8", "fp16"]
+    assert again[0].data.activation_bits == again[1].data.activation_bits == bits
+    x = torch.randn(3, 96)
+    assert torch.equal(layers[0](x), int8_dot.int8_linear(x, again[0].data))
+    assert torch.equal(layers[0](x), int8_dot.int8_linear(x * 2, formats[0].data))  # x·(2W) = (2x)·W, exactly

@@ -85,6 +85,9 @@ class PackedWeight:
     # the library's packed weight; for "q4_1" and "q8_0", (Q4_1Weight or Q8_0Weight, fbgemm's float16
     # one); for "q4_1_int8" and "q8_0_int8", int8_dot's Q4_1Int8Weight or Q8_0Int8Weight
     data: object
+    # what it was packed for ("onednn", "fp16", or a quantization method: "q4_1", "w4a8", "w4a16"),
+    # what a changed weight is packed again for
+    packed_for: str
 
 
 # Read once: torch.compile cannot trace the library checks (a graph break in every layer).
@@ -105,15 +108,15 @@ def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
         for name, quantize_exact in EXACT_FORMATS[fmt]:
             exact = quantize_exact(w.detach())
             if exact is not None:  # "q4_1" keeps a float16 copy for products of more rows
-                return PackedWeight(name, (exact, _pack(w, "fp16").data) if fmt == "q4_1" else exact)
-        return _pack(w, "fp16")
+                return PackedWeight(name, (exact, _pack(w, "fp16").data) if fmt == "q4_1" else exact, fmt)
+        return PackedWeight("fp16", _pack(w, "fp16").data, fmt)
     if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
-        return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None))
+        return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None), fmt)
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_PACK_ROWS)
     with torch.inference_mode():
         for rows in ONEDNN_ROW_BUCKETS:  # build every bucket's kernel now
             torch.ops.mkldnn._linear_pointwise(w.new_zeros(rows, w.shape[1]), packed, None, "none", [], "")
-    return PackedWeight(fmt, packed)
+    return PackedWeight(fmt, packed, fmt)
 
 
 # weight.data_ptr() -> (the weight, its _version when packed, the packed weight). Keyed by address,
@@ -136,7 +139,7 @@ def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | 
         if t is not None and t.data_ptr() == w.data_ptr() and t.shape == w.shape and t.dtype == w.dtype:
             if t._version == version and (fmt in (None, packed.format) or packed.format in _formats_of(fmt)):
                 return packed
-            fmt = fmt or packed.format
+            fmt = fmt or packed.packed_for  # changed: packed again as it was (a format name is no method)
     packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
     key = w.data_ptr()
     _PACKED[key] = (weakref.ref(w, lambda ref, key=key: _forget(key, ref)), w._version, packed)

@@ -17,6 +17,7 @@ from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
 from tpspec.layers.rotary import RopeAngles, RotaryEmbedding, apply_rope
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from tpspec.models import layer_plans
 from tpspec.models.weights import checkpoint_target
 from tpspec.sample.vocab_parallel import LogitsShard
 
@@ -109,6 +110,10 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # Added to a checkpoint's RMSNorm weights to get the factor the norms scale by (Gemma: 1 + w).
     norm_weight_offset = 0.0
+    # Float32 CPU steps through each layer's plan of kernel calls (models/layer_plans.py) where every
+    # layer has one: the modules' bits with ~2 ms less Python a forward. False: through the modules
+    # (what a per-module profile hooks: benchmarks/profile_step.py).
+    use_layer_plans = True
     # checkpoint sub-name -> (our parameter sub-name, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),
@@ -138,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         _, (k0, k1) = head_partition(cfg.num_attention_heads, cfg.num_key_value_heads, get_tp_size(), get_tp_rank())
         self.kv_cache_shape = (k1 - k0, cfg.head_dim)  # per slot, per layer
         self._compiled_layer = None  # compile_decode_layers()
+        self._layer_plans: list | None = None  # built on first use (layer_plans), rebuilt when a weight is re-packed
 
     def compile_decode_layers(self) -> None:
         """Run decode steps (one query per sequence) through a ``torch.compile``d decoder layer:
@@ -160,19 +166,32 @@ class LlamaForCausalLM(nn.Module):
         ``capture_layers``, the output of layer L (Hugging Face ``hidden_states[L + 1]``)."""
         hidden = self.embed_input_ids(input_ids) if input_embeds is None else input_embeds
         rope = self.rotary.angles(positions, self.dtype)
-        run_layer, residual = _call_layer, None
+        run_layer, residual, plans = _call_layer, None, None
         if md.decode_only and self._compiled_layer is not None:
             run_layer = self._compiled_layer
             self.layers[0].self_attn.attn.context_rows(md)  # memoized per step: built here, outside the graph
             md.groups  # likewise (built on first use)
             residual = torch.zeros_like(hidden)  # the same sums as None, and one graph for every layer
+        elif self.use_layer_plans:
+            plans = self._plans(hidden, kv_caches)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            hidden, residual = run_layer(layer, rope, hidden, residual, kv_caches[i], md)
+            if plans:
+                hidden, residual = plans[i](rope, hidden, residual, kv_caches[i], md)
+            else:
+                hidden, residual = run_layer(layer, rope, hidden, residual, kv_caches[i], md)
             if i in capture_layers:
                 captured[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden, captured
+
+    def _plans(self, hidden: torch.Tensor, kv_caches: list) -> list | None:
+        """The layers' plans for this step (``layer_plans``), None where the step or a layer takes the modules."""
+        if not layer_plans.step_fits(hidden, kv_caches):
+            return None
+        if self._layer_plans is None or not layer_plans.current(self._layer_plans):
+            self._layer_plans = layer_plans.build(self.layers)
+        return self._layer_plans or None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> the decoder's input [num_tokens, hidden_size] (drafters that

@@ -1,0 +1,170 @@
+"""A decoder layer's float32 CPU step as direct calls of tpspec's kernels (``layers.cpu_kernels``).
+
+Through its modules a Llama layer makes ~100 Python calls a step (ten module calls with their
+hook machinery, the weight lookups, the kernels' usability checks, splits and views): ~75 us a
+layer, 2-3 ms of a 7 ms forward at one row on a 2-core Zen 4, as much as the products themselves
+at one row. A plan reads what those calls decide once, at build (the packed weights and the
+kernels that take them, the head split, the norms' weights), and then makes the same kernel calls
+on the same tensors in the same order: the same bits as the modules' path (tests/models), so
+batch invariance and sharding invariance hold unchanged.
+
+A plan is built for a layer whose every product has a packed CPU weight (any ``--quantization``;
+the integer formats' kernels called directly, the others through ``cpu_weights.linear``), no bias,
+no per-head q/k norm, and head and hidden sizes the kernels take; it is used while its weights are
+the ones packed at build (``current``) and for float32 steps the kernels take (``usable``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tpspec.distributed import comm
+from tpspec.layers import cpu_kernels, int8_dot
+from tpspec.layers.attention import AttentionMetadata
+from tpspec.layers.cpu_weights import _PACKED, INTEGER_FORMATS, linear
+from tpspec.layers.rotary import RopeAngles
+
+
+class LinearPlan:
+    """One product x·Wᵀ through its packed weight, as the module's ``linear`` computes it."""
+
+    def __init__(self, module, reduce: bool):
+        self.weight = module.weight
+        self.version = self.weight._version
+        self.entry = _PACKED.get(self.weight.data_ptr())  # (weakref, version, PackedWeight)
+        self.reduce = reduce  # a row-parallel product: its partial sums all-reduced (tp > 1)
+        packed = self.entry[2]
+        if packed.format in INTEGER_FORMATS:
+            data, kernels = packed.data, cpu_kernels.kernels()
+            isa = int8_dot.ISAS.index(int8_dot.isa())
+            if packed.format == "q4_1_int8":
+                fn, extra = kernels.q4_1_int8_linear, (data.qweight, data.scales, data.mins)
+            else:
+                fn, extra = kernels.q8_0_int8_linear, (data.qweight, data.scales, data.qsums)
+            args = (*extra, data.out_features, data.activation_bits, isa)
+            self.call: Callable[[torch.Tensor], torch.Tensor] = lambda x: fn(x, *args)  # x contiguous float32
+        else:
+            weight = self.weight
+            self.call = lambda x: linear(x, weight, None, packed)
+
+    @staticmethod
+    def of(module, reduce: bool = False) -> "LinearPlan | None":
+        """The plan of ``module`` (a ``PackedCPUWeight`` layer), None where it has a bias or no packed weight."""
+        if getattr(module, "bias", None) is not None or module.packed_weight() is None:
+            return None
+        return LinearPlan(module, reduce)
+
+    def current(self) -> bool:
+        """Whether the weight is still the one packed at build (not re-packed, not changed)."""
+        return self.weight._version == self.version and _PACKED.get(self.weight.data_ptr()) is self.entry
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] contiguous float32 -> [rows, out]
+        y = self.call(x)
+        return comm.all_reduce(y, "layer.all_reduce") if self.reduce else y
+
+
+class AttentionPlan:
+    """``LlamaAttention`` without q/k norms: qkv product, rotary, the new keys and values written,
+    paged attention over the cache in place, output product."""
+
+    def __init__(self, attention, qkv: LinearPlan, o: LinearPlan):
+        p, a = attention.qkv_proj, attention.attn
+        self.qkv, self.o = qkv, o
+        self.heads, self.kv_heads, self.d = p.num_local_heads, p.num_local_kv_heads, p.head_dim
+        self.qk_width = p.q_size + p.kv_size
+        self.window, self.kv_head_of_head, self.scale = a.sliding_window, a.kv_head_of_head, a.scale
+
+    @staticmethod
+    def of(attention) -> "AttentionPlan | None":
+        if attention.q_norm is not None or attention.qkv_proj.head_dim % 16:
+            return None
+        qkv, o = LinearPlan.of(attention.qkv_proj), LinearPlan.of(attention.o_proj, attention.o_proj.tp_size > 1
+                                                                         and attention.o_proj.reduce_results)
+        return None if qkv is None or o is None else AttentionPlan(attention, qkv, o)
+
+    def linears(self) -> tuple[LinearPlan, ...]:
+        return self.qkv, self.o
+
+    def __call__(self, rope: RopeAngles, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 md: AttentionMetadata) -> torch.Tensor:  # x: [T, in] -> [T, hidden]
+        kernels = cpu_kernels._MODULE
+        qkv = self.qkv(x)  # [T, (heads + 2·kv_heads)·d]
+        rows = qkv.shape[0]
+        qk = kernels.rotary(qkv[:, : self.qk_width].view(rows, self.heads + self.kv_heads, self.d), rope.cos, rope.sin)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv(qk[:, self.heads :], qkv[:, self.qk_width :].view(rows, self.kv_heads, self.d), k_cache, v_cache,
+                         md.slot_mapping)
+        out = kernels.paged_attention(qk[:, : self.heads].contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
+                                      md.key_range(self.window), self.kv_head_of_head, self.scale)
+        return self.o(out)
+
+
+class MLPPlan:
+    """``LlamaMLP``: gate and up in one product, SwiGLU, down."""
+
+    def __init__(self, gate_up: LinearPlan, down: LinearPlan):
+        self.gate_up, self.down = gate_up, down
+
+    @staticmethod
+    def of(mlp) -> "MLPPlan | None":
+        if mlp.down_proj.in_features % 8:
+            return None
+        gate_up = LinearPlan.of(mlp.gate_up_proj)
+        down = LinearPlan.of(mlp.down_proj, mlp.down_proj.tp_size > 1 and mlp.down_proj.reduce_results)
+        return None if gate_up is None or down is None else MLPPlan(gate_up, down)
+
+    def linears(self) -> tuple[LinearPlan, ...]:
+        return self.gate_up, self.down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down(cpu_kernels._MODULE.silu_and_mul(self.gate_up(x)))
+
+
+class LlamaLayerPlan:
+    """``LlamaDecoderLayer.forward``: (residual add and) RMSNorm, attention, RMSNorm, MLP."""
+
+    def __init__(self, layer, attention: AttentionPlan, mlp: MLPPlan):
+        self.attention, self.mlp = attention, mlp
+        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
+        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+
+    @staticmethod
+    def of(layer) -> "LlamaLayerPlan | None":
+        if layer.input_layernorm.weight.shape[0] % 8:
+            return None
+        attention, mlp = AttentionPlan.of(layer.self_attn), MLPPlan.of(layer.mlp)
+        return None if attention is None or mlp is None else LlamaLayerPlan(layer, attention, mlp)
+
+    def linears(self) -> tuple[LinearPlan, ...]:
+        return (*self.attention.linears(), *self.mlp.linears())
+
+    def __call__(self, rope: RopeAngles, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        add_rms_norm = cpu_kernels._MODULE.add_rms_norm
+        x, residual = add_rms_norm(hidden, residual, *self.input_norm)  # residual None: (norm(hidden), hidden)
+        x, residual = add_rms_norm(self.attention(rope, x, kv_cache, md), residual, *self.post_norm)
+        return self.mlp(x), residual
+
+
+def step_fits(hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether a step can run through plans: float32 on CPU outside autograd and compiling with the
+    kernels loaded (``cpu_kernels.usable``), and a float32 or float16 KV cache (what the attention
+    kernel reads)."""
+    return (cpu_kernels.usable(hidden) is not None and hidden.is_contiguous()
+            and kv_caches[0][0].dtype in (torch.float32, torch.float16))
+
+
+def build(layers) -> list[LlamaLayerPlan]:
+    """One plan per layer of ``layers`` (``LlamaDecoderLayer``s, not a subclass), or [] where any
+    layer has none (the modules then run every step)."""
+    from tpspec.models.llama import LlamaDecoderLayer
+
+    plans = [LlamaLayerPlan.of(layer) if type(layer) is LlamaDecoderLayer else None for layer in layers]
+    return [] if any(p is None for p in plans) else plans
+
+
+def current(plans: list[LlamaLayerPlan]) -> bool:
+    """Whether every plan's weights are still those packed when it was built."""
+    return all(lin.current() for p in plans for lin in p.linears())

@@ -1,0 +1,129 @@
+"""Layer plans (models/layer_plans.py): a Llama layer's float32 CPU step as direct kernel calls gives
+the bits of the same step through the layer's modules (hidden states, captured layers, logits and
+the KV cache), for every packed weight format, float32 and float16 caches, prefill chunks, decodes
+and verification rows, at TP 1 and 2; plans follow a re-packed weight; a model whose layers have
+none (per-head q/k norms) runs its modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed_utils import run_distributed
+from tpspec.config import ModelArchConfig
+from tpspec.layers import cpu_kernels
+from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
+from tpspec.layers.cpu_weights import pack_cpu_weights
+from tpspec.models import llama
+from tpspec.models.loader.safetensors import iterate_weights
+from tpspec.models.registry import get_model_class
+
+pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                                reason=f"no CPU kernels here: {cpu_kernels.unavailable()}")
+
+BLOCK = 4
+TABLES = [[1, 5, 9, 13, 17, 21], [2, 3, 4, 6, 7, 8]]
+# (query_lens, context_lens) of two sequences: prefill chunks, decodes, a 4-row verification beside a decode
+STEPS = [([7, 5], [7, 5]), ([3, 1], [10, 6]), ([1, 1], [11, 7]), ([4, 1], [15, 8]), ([1, 4], [16, 12])]
+
+
+def _load(folder: str, quantization: str | None) -> torch.nn.Module:
+    arch = ModelArchConfig.from_folder(folder)
+    model = get_model_class(arch.architecture)(arch, torch.float32)
+    model.load_weights(iterate_weights(folder, show_progress=False))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # the checkpoint's norms are all ones: make each layer's two norms differ
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=g))
+    pack_cpu_weights(model, quantization)
+    return model
+
+
+def _run(model, caches, use_plans: bool) -> list[torch.Tensor]:
+    """Every step's final hidden states, captured layers 0 and 2, and logits, in order."""
+    model.use_layer_plans = use_plans
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    with torch.inference_mode():
+        for query_lens, context_lens in STEPS:
+            md = AttentionMetadata.build(query_lens, context_lens, TABLES, BLOCK, torch.device("cpu"))
+            ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=g)
+            pos = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+            hidden, captured = model(ids, pos, caches, md, capture_layers=(0, 2))
+            outs += [hidden, captured[0], captured[2], model.compute_logits(hidden)]
+    return outs
+
+
+def _compare(folder: str, quantization: str | None, cache_dtype: torch.dtype) -> dict:
+    """The plans' and the modules' outputs and caches on the same steps (on this rank)."""
+    cpu_kernels.kernels()
+    model = _load(folder, quantization)
+    caches = [allocate_kv_cache(len(model.layers), 32 * BLOCK, model.kv_cache_shape, cache_dtype) for _ in range(2)]
+    calls = {"modules": 0}
+    attention_forward = llama.LlamaAttention.forward
+
+    def counted(self, *args):
+        calls["modules"] += 1
+        return attention_forward(self, *args)
+
+    llama.LlamaAttention.forward = counted
+    try:
+        planned = _run(model, caches[0], True)
+        through_plans = calls["modules"]
+        modules = _run(model, caches[1], False)
+    finally:
+        llama.LlamaAttention.forward = attention_forward
+    return {
+        "plans_built": len(model._layer_plans or []),
+        "module_calls_with_plans": through_plans,
+        "module_calls_without": calls["modules"] - through_plans,
+        "outputs_equal": [torch.equal(a, b) for a, b in zip(planned, modules)],
+        "caches_equal": all(torch.equal(a, b) for la, lb in zip(*caches) for a, b in zip(la, lb)),
+    }
+
+
+def _assert_same_bits(r: dict, layers: int = 3) -> None:
+    assert r["plans_built"] == layers and r["module_calls_with_plans"] == 0  # the plans ran every layer
+    assert r["module_calls_without"] == layers * len(STEPS)
+    assert all(r["outputs_equal"]), r["outputs_equal"]
+    assert r["caches_equal"]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp16", "q4_1", "w4a16", "w4a8"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_plans_give_the_bits_of_the_modules(tiny_gguf_llama, quantization, cache_dtype):
+    """None: float32 weights through oneDNN; "fp16": fbgemm; "q4_1": tpspec's Q4_1/Q8_0 kernels and
+    their float16 copy past 8 rows; "w4a16", "w4a8": the integer kernels, called directly."""
+    _assert_same_bits(_compare(tiny_gguf_llama, quantization, cache_dtype))
+
+
+def test_plans_give_the_bits_of_the_modules_at_tp_2(tiny_gguf_llama):
+    """Row-parallel products all-reduced inside the plan as in the modules (gloo)."""
+    for r in run_distributed(_compare, 2, tiny_gguf_llama, "w4a16", torch.float16):
+        _assert_same_bits(r)
+
+
+def test_plans_follow_a_re_packed_weight(tiny_gguf_llama):
+    cpu_kernels.kernels()
+    model = _load(tiny_gguf_llama, "q4_1")
+    caches = allocate_kv_cache(len(model.layers), 32 * BLOCK, model.kv_cache_shape, torch.float32)
+    _run(model, caches, True)
+    before = model._layer_plans
+    pack_cpu_weights(model, "w4a16")  # the same weights in the integer kernels' layout
+    planned = _run(model, caches, True)
+    assert model._layer_plans and model._layer_plans is not before
+    assert all(torch.equal(a, b) for a, b in zip(planned, _run(model, caches, False)))
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(2)  # changed in place: packed again on next use
+    planned = _run(model, caches, True)
+    assert all(torch.equal(a, b) for a, b in zip(planned, _run(model, caches, False)))
+
+
+def test_a_model_whose_layers_have_no_plan_runs_its_modules(tiny_qwen3):
+    """Qwen3's per-head q/k norms: no plan, the modules every step."""
+    cpu_kernels.kernels()
+    model = _load(tiny_qwen3, None)
+    caches = allocate_kv_cache(len(model.layers), 32 * BLOCK, model.kv_cache_shape, torch.float32)
+    _run(model, caches, True)
+    assert model._layer_plans == []
