@@ -127,3 +127,35 @@ def test_a_model_whose_layers_have_no_plan_runs_its_modules(tiny_qwen3):
     caches = allocate_kv_cache(len(model.layers), 32 * BLOCK, model.kv_cache_shape, torch.float32)
     _run(model, caches, True)
     assert model._layer_plans == []
+
+
+@pytest.mark.parametrize("quantization", [None, "w4a16"])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_eagle3_midlayers_plan_gives_the_bits_of_its_modules(tiny_llama, tmp_path, quantization, norm_before_residual):
+    """A feed pass of 3 rows and two chain passes of 1, through the midlayer's plan and its modules."""
+    from tests.models.test_eagle3 import write_eagle3
+    from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
+
+    cpu_kernels.kernels()
+    folder = write_eagle3(str(tmp_path / "eagle"), seed=1, ship_embedding=True, norm_before_residual=norm_before_residual,
+                          num_attention_heads=6)  # heads of 16, what the rotary kernel takes
+    model = Eagle3LlamaForCausalLM(Eagle3Config.from_folder(folder), ModelArchConfig.from_folder(tiny_llama), None)
+    model.load_weights(iterate_weights(folder, show_progress=False))
+    pack_cpu_weights(model, quantization)
+    caches = [allocate_kv_cache(1, 32 * BLOCK, model.kv_cache_shape, torch.float16)[0] for _ in range(2)]
+    outs = {}
+    for use_plans, cache in ((True, caches[0]), (False, caches[1])):
+        model.use_layer_plans = use_plans
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(3, model.config.arch.hidden_size, generator=g)
+        outs[use_plans] = []
+        with torch.inference_mode():
+            for rows, context in ((3, 9), (1, 10), (1, 11)):
+                md = AttentionMetadata.build([rows], [context], TABLES[:1], BLOCK, torch.device("cpu"))
+                ids = torch.randint(0, 1000, (rows,), generator=g)
+                normed, prenorm = model(ids, torch.arange(context - rows, context), hidden, cache, md)
+                outs[use_plans] += [normed, prenorm]
+                hidden = prenorm[-1:]
+    assert model._midlayer_plan  # built, and used: the bits below differ from the modules' otherwise only by chance
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert all(torch.equal(a, b) for a, b in zip(*caches))

@@ -34,6 +34,7 @@ from tpspec.layers.norm import RMSNorm
 from tpspec.layers.partition import head_partition
 from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
 from tpspec.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from tpspec.models import layer_plans
 from tpspec.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from tpspec.models.weights import checkpoint_target
 from tpspec.sample import token_bitmask
@@ -174,6 +175,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
     drafting gathers (value, id) pairs, not draft-vocab logits.
     """
 
+    use_layer_plans = True  # float32 CPU passes through the midlayer's plan (models/layer_plans.py)
+
     def __init__(
         self,
         cfg: Eagle3Config,
@@ -204,6 +207,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.draft_vocab_size, a.hidden_size, dtype)
         self.logits_processor = LogitsProcessor(cfg.draft_vocab_size)
         self.register_buffer("target_ids", torch.arange(cfg.draft_vocab_size), persistent=False)  # [draft_vocab] i + d2t[i]
+        self._midlayer_plan: list | None = None  # [plan] or [] (none), built on first use, rebuilt after a re-pack
 
     @property
     def embedding(self) -> VocabParallelEmbedding:
@@ -228,8 +232,19 @@ class Eagle3LlamaForCausalLM(nn.Module):
         """Returns (normed [num_tokens, H] for the LM head, prenorm [num_tokens, H] for the next step)."""
         embeds = self.embedding(input_ids)  # [num_tokens, H], vocab-split: one all-reduce
         with self._body():
-            out, residual = self.midlayer(self.rotary.angles(positions, self.dtype), embeds, hidden, kv_cache, md)
+            rope = self.rotary.angles(positions, self.dtype)
+            plan = self._plan(embeds, hidden, kv_cache)
+            out, residual = (plan or self.midlayer)(rope, embeds, hidden, kv_cache, md)
             return self.norm(out, residual)
+
+    def _plan(self, embeds: torch.Tensor, hidden: torch.Tensor, kv_cache) -> layer_plans.Eagle3MidlayerPlan | None:
+        """The midlayer's plan of kernel calls for this pass (``layer_plans``), None where it takes its modules."""
+        if not (self.use_layer_plans and layer_plans.step_fits(hidden, [kv_cache]) and embeds.is_contiguous()):
+            return None
+        if self._midlayer_plan is None or not layer_plans.current(self._midlayer_plan):
+            plan = layer_plans.Eagle3MidlayerPlan.of(self.midlayer)
+            self._midlayer_plan = [] if plan is None else [plan]
+        return self._midlayer_plan[0] if self._midlayer_plan else None
 
     def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:
         """hidden: [num_rows, H] -> [num_rows, vocab_size] float32 over the target vocabulary:

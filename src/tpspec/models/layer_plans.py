@@ -148,6 +148,37 @@ class LlamaLayerPlan:
         return self.mlp(x), residual
 
 
+class Eagle3MidlayerPlan:
+    """The EAGLE-3 midlayer (``models/eagle3.Eagle3DecoderLayer``): the token embeddings and the
+    carried hidden states each RMS-normed, side by side into attention, then RMSNorm and MLP."""
+
+    def __init__(self, layer, attention: AttentionPlan, mlp: MLPPlan):
+        self.attention, self.mlp = attention, mlp
+        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
+        self.hidden_norm = (layer.hidden_norm.weight, layer.hidden_norm.eps)
+        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        self.norm_before_residual = layer.norm_before_residual
+
+    @staticmethod
+    def of(layer) -> "Eagle3MidlayerPlan | None":
+        if layer.hidden_norm.weight.shape[0] % 8:
+            return None
+        attention, mlp = AttentionPlan.of(layer.self_attn), MLPPlan.of(layer.mlp)
+        return None if attention is None or mlp is None else Eagle3MidlayerPlan(layer, attention, mlp)
+
+    def linears(self) -> tuple[LinearPlan, ...]:
+        return (*self.attention.linears(), *self.mlp.linears())
+
+    def __call__(self, rope: RopeAngles, embeds: torch.Tensor, hidden: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        add_rms_norm = cpu_kernels._MODULE.add_rms_norm
+        normed_hidden, _ = add_rms_norm(hidden, None, *self.hidden_norm)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat([add_rms_norm(embeds, None, *self.input_norm)[0], normed_hidden], dim=-1)  # [T, 2H]
+        x, residual = add_rms_norm(self.attention(rope, x, kv_cache, md), residual, *self.post_norm)
+        return self.mlp(x), residual
+
+
 def step_fits(hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether a step can run through plans: float32 on CPU outside autograd and compiling with the
     kernels loaded (``cpu_kernels.usable``), and a float32 or float16 KV cache (what the attention
@@ -165,6 +196,6 @@ def build(layers) -> list[LlamaLayerPlan]:
     return [] if any(p is None for p in plans) else plans
 
 
-def current(plans: list[LlamaLayerPlan]) -> bool:
+def current(plans: list) -> bool:
     """Whether every plan's weights are still those packed when it was built."""
     return all(lin.current() for p in plans for lin in p.linears())
