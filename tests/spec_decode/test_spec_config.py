@@ -60,6 +60,9 @@ BAD = [
     ("lookup-max-str", _with(NGRAM, prompt_lookup_max="4"), "prompt_lookup_max", "'4'"),
     ("lookup-min-gt-max", _with(NGRAM, prompt_lookup_min=5, prompt_lookup_max=3), "prompt_lookup_min", "5"),
     ("lookup-with-draft", _with(DRAFT, prompt_lookup_min=2), "prompt_lookup_min", "2"),
+    ("prior-one", _with(DRAFT, acceptance_prior=[0.5, 1.0]), "acceptance_prior", "1.0"),
+    ("prior-empty", _with(DRAFT, acceptance_prior=[]), "acceptance_prior", "[]"),
+    ("prior-number", _with(DRAFT, acceptance_prior=0.5), "acceptance_prior", "0.5"),
 ]
 
 
@@ -138,6 +141,28 @@ def test_the_most_drafts_default_to_what_the_drafter_was_trained_for(tiny_llama)
     assert k({"method": "dflash", "num_speculative_tokens": 4}) == 4
     with pytest.raises(ValueError, match=r"num_speculative_tokens is required for method 'draft_model'"):
         k({"method": "draft_model", "model": tiny_llama}, tiny_llama)
+
+
+def test_the_acceptance_prior_defaults_to_what_the_drafter_measured(tiny_llama, tmp_path):
+    """The shipped drafters' folders record their held-out greedy acceptance per position
+    (``acceptance.json``); the resolution hands it to the controller unless the config gives one;
+    a drafter that records none leaves it to the controller's default."""
+    import json
+    import shutil
+
+    from tpspec.engine.engine_args import EngineArgs
+
+    def prior(spec, model=None):
+        return EngineArgs(model=model, speculative_config=spec).create_engine_config("cpu").speculative.acceptance_prior
+
+    eagle = prior({"method": "eagle3"})
+    assert len(eagle) == 6 and 0.45 < eagle[0] < 0.6  # the shipped head's measured rates
+    assert prior({"method": "eagle3", "acceptance_prior": [0.7]}) == (0.7,)
+    assert prior({"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}, tiny_llama) is None
+    folder = shutil.copytree(tiny_llama, tmp_path / "draft")
+    with open(folder / "acceptance.json", "w") as f:
+        json.dump({"greedy_acceptance_rates": [0.8, 0.6]}, f)
+    assert prior({"method": "draft_model", "model": str(folder), "num_speculative_tokens": 2}, tiny_llama) == (0.8, 0.6)
 
 
 @pytest.mark.parametrize("tp,draft_tp", [(1, 2), (2, 3), (2, 4)])

@@ -33,6 +33,11 @@ class SpeculativeConfig:
     # vLLM's static schedule: ``[start, end, k]`` rows, batch sizes start..end (inclusive) speculate k
     # tokens (0: none); other batch sizes speculate num_speculative_tokens.
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    # The adaptive controller's starting estimate of the acceptance rate at draft positions 1, 2, …
+    # (each given the ones before accepted; later positions as the last). None: what the drafter's
+    # folder says it measured (``acceptance.json``, filled in by the drafter resolution), else 0.4
+    # (``engine.speculation.acceptance.PRIOR``). Measured rates take over as requests verify drafts.
+    acceptance_prior: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         method = self.method_spec  # an unknown method raises here
@@ -43,6 +48,12 @@ class SpeculativeConfig:
         elif not method.uses_model:  # no drafter to say how many drafts it was trained for
             raise ValueError(f"speculative_config.num_speculative_tokens is required for method {self.method!r}")
         self._validate_speculation_length()
+        if self.acceptance_prior is not None:
+            prior = self.acceptance_prior
+            if (not isinstance(prior, (list, tuple)) or not prior
+                    or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a < 1 for a in prior)):
+                raise ValueError(f"speculative_config.acceptance_prior must be a non-empty list of rates in (0, 1), got {prior!r}")
+            object.__setattr__(self, "acceptance_prior", tuple(float(a) for a in prior))
         if not isinstance(self.use_local_argmax_reduction, bool):
             raise ValueError(
                 f"speculative_config.use_local_argmax_reduction must be true or false, got {self.use_local_argmax_reduction!r}"

@@ -4,6 +4,7 @@ worker starts (a bad drafter or flag fails fast, in the caller's process, with a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from tpspec.config import ModelArchConfig, SpeculativeConfig
@@ -74,4 +75,23 @@ def resolve_drafter(
                 f"its drafter does not say how many drafts it was trained for"
             )
         spec = dataclasses.replace(spec, num_speculative_tokens=drafter.num_speculative_tokens)
+    if spec.acceptance_prior is None and spec.model is not None:
+        prior = measured_acceptance(spec.model)
+        if prior is not None:
+            spec = dataclasses.replace(spec, acceptance_prior=prior)
     return spec, drafter.arch
+
+
+ACCEPTANCE_FILE = "acceptance.json"  # in a drafter's folder: what ``benchmarks/drafter_acceptance.py`` measured
+
+
+def measured_acceptance(folder: str) -> tuple[float, ...] | None:
+    """The greedy per-position acceptance rates a drafter's folder records (``ACCEPTANCE_FILE``:
+    ``{"greedy_acceptance_rates": [α_1, α_2, …]}``, α_j given drafts 1 … j − 1 accepted), None
+    where it records none."""
+    path = os.path.join(folder, ACCEPTANCE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        rates = json.load(f).get("greedy_acceptance_rates")
+    return None if rates is None else tuple(rates)

@@ -72,6 +72,20 @@ def test_plan_maximizes_tokens_per_second(method, rates):
     assert plan.num_propose[2] >= plan.num_propose[0] >= plan.num_propose[1]  # better drafts, more of them
 
 
+def test_the_drafters_measured_acceptance_is_the_prior():
+    """Before any verification the rates are the drafter's recorded ones (later positions as the
+    last), and a fast single stream speculates where the default prior (0.4) says it would not."""
+    step = model("eagle3", lambda r: 1.0 + 0.45 * r, lambda r: 0.05)  # a second row: +31 % of the step
+    default, measured = controller("eagle3", 4, step), controller("eagle3", 4, step, acceptance_prior=(0.55, 0.5))
+    assert np.allclose(measured.acceptance.engine_rates(), [0.55, 0.5, 0.5, 0.5])
+    assert default.acceptance.engine_rates()[0] == pytest.approx(0.4)
+    assert default.plan([req(0)], 1).num_propose == [0]
+    assert measured.plan([req(0)], 1).num_propose == [1]
+    set_rates(measured, "r0", [0.2] * 4, n=400)  # the drafts turn out worse: measured rates take over
+    assert measured.acceptance.engine_rates()[0] == pytest.approx(0.2, abs=0.03)
+    assert measured.plan([req(0)], 1).num_propose == [0]
+
+
 def test_no_speculation_when_no_k_pays():
     c = controller("dflash", 8, model("dflash", lambda r: 1.0 + 0.5 * r, lambda r: 0.3 + 0.01 * r))
     set_rates(c, "r0", [0.3] * 8)

@@ -98,7 +98,7 @@ class SpeculationLengthController:
         self.method = spec.method_spec
         self.max_k = spec.num_speculative_tokens
         self.step_time = step_time
-        self.acceptance = AcceptanceModel(self.max_k)
+        self.acceptance = AcceptanceModel(self.max_k, spec.acceptance_prior)
         self._steps_without_drafts: dict[str, int] = {}
         self._probing: set[str] = set()
         self._num_plans = 0
