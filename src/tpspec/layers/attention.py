@@ -278,7 +278,8 @@ class AttentionMetadata:
         slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
         pos = np.arange(max_ctx)
         ordered_tables, ordered_ctx = (tables, ctx) if decode_only else (tables[order], ctx[order])
-        slots = ordered_tables[:, pos // block_size] * block_size + pos % block_size  # [num_seqs, max_ctx]
+        # [num_seqs, max_ctx] every block's slots in table order (broadcast, not gathered by position)
+        slots = (ordered_tables[:, :, None] * block_size + np.arange(block_size)).reshape(num_seqs, -1)[:, :max_ctx]
         key_valid = pos[None, :] < ordered_ctx[:, None]
         first = None
         if first_keys is not None and any(first_keys):
