@@ -93,7 +93,9 @@ def _worker_pids(llm: LLM) -> list[int]:
 def _on_layer_call(llm: LLM, layer: int, call: int, action) -> None:
     """Run ``action()`` when rank 0 enters decoder layer ``layer`` for the ``call``-th time: in the
     middle of a step, between the layers' collectives."""
-    module = llm.llm_engine.executor.runner.model.layers[layer]
+    model = llm.llm_engine.executor.runner.model
+    model.use_layer_plans = False  # the layer's forward is what is wrapped: a plan calls the kernels without it
+    module = model.layers[layer]
     forward, calls = module.forward, []
 
     def wrapped(*args, **kwargs):

@@ -111,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
     # Added to a checkpoint's RMSNorm weights to get the factor the norms scale by (Gemma: 1 + w).
     norm_weight_offset = 0.0
     # Float32 CPU steps through each layer's plan of kernel calls (models/layer_plans.py) where every
-    # layer has one: the modules' bits with ~2 ms less Python a forward. False: through the modules
-    # (what a per-module profile hooks: benchmarks/profile_step.py).
+    # layer has one: the modules' bits with ~2 ms less Python a forward. A plan calls no module, so
+    # hooks on (or a replaced forward of) a layer or its modules do not run: set False to run them
+    # (benchmarks/profile_step.py times every module that way).
     use_layer_plans = True
     # checkpoint sub-name -> (our parameter sub-name, shard id)
     packed = {
