@@ -125,6 +125,13 @@ def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
 _PACKED: dict[int, tuple[weakref.ref, int, PackedWeight]] = {}
 
 
+def packed_entry(w: torch.Tensor) -> tuple[weakref.ref, int, PackedWeight] | None:
+    """The registry's entry at ``w``'s address (its weight, that weight's version when packed, the
+    packed weight), None if there is none; it is ``w``'s own only if ``packed_weight_of(w)`` made or
+    confirmed it since ``w`` last changed."""
+    return _PACKED.get(w.data_ptr())
+
+
 def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | None:
     """``w`` packed for its CPU kernel: in ``fmt`` if given (``pack_cpu_weights``), else in the
     format it was packed in last, else its dtype's (float32: oneDNN, float16: fbgemm). Packed on

@@ -1,6 +1,6 @@
 """A decoder layer's float32 CPU step as direct calls of tpspec's kernels (``layers.cpu_kernels``).
 
-Through its modules a Llama layer makes ~100 Python calls a step (ten module calls with their
+Through its modules a Llama layer makes ~190 Python calls a step (ten module calls with their
 hook machinery, the weight lookups, the kernels' usability checks, splits and views): ~75 us a
 layer, 2-3 ms of a 7 ms forward at one row on a 2-core Zen 4, as much as the products themselves
 at one row. A plan reads what those calls decide once, at build (the packed weights and the
@@ -23,7 +23,7 @@ import torch
 from tpspec.distributed import comm
 from tpspec.layers import cpu_kernels, int8_dot
 from tpspec.layers.attention import AttentionMetadata
-from tpspec.layers.cpu_weights import _PACKED, INTEGER_FORMATS, linear
+from tpspec.layers.cpu_weights import INTEGER_FORMATS, linear, packed_entry
 from tpspec.layers.rotary import RopeAngles
 
 
@@ -33,7 +33,7 @@ class LinearPlan:
     def __init__(self, module, reduce: bool):
         self.weight = module.weight
         self.version = self.weight._version
-        self.entry = _PACKED.get(self.weight.data_ptr())  # (weakref, version, PackedWeight)
+        self.entry = packed_entry(self.weight)  # (weakref, version, PackedWeight): made by packed_weight() just before
         self.reduce = reduce  # a row-parallel product: its partial sums all-reduced (tp > 1)
         packed = self.entry[2]
         if packed.format in INTEGER_FORMATS:
@@ -58,7 +58,7 @@ class LinearPlan:
 
     def current(self) -> bool:
         """Whether the weight is still the one packed at build (not re-packed, not changed)."""
-        return self.weight._version == self.version and _PACKED.get(self.weight.data_ptr()) is self.entry
+        return self.weight._version == self.version and packed_entry(self.weight) is self.entry
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] contiguous float32 -> [rows, out]
         y = self.call(x)
@@ -188,11 +188,9 @@ def step_fits(hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Te
 
 
 def build(layers) -> list[LlamaLayerPlan]:
-    """One plan per layer of ``layers`` (``LlamaDecoderLayer``s, not a subclass), or [] where any
-    layer has none (the modules then run every step)."""
-    from tpspec.models.llama import LlamaDecoderLayer
-
-    plans = [LlamaLayerPlan.of(layer) if type(layer) is LlamaDecoderLayer else None for layer in layers]
+    """One plan per layer of ``layers`` (``LlamaDecoderLayer``s), or [] where any layer has none
+    (the modules then run every step)."""
+    plans = [LlamaLayerPlan.of(layer) for layer in layers]
     return [] if any(p is None for p in plans) else plans
 
 

@@ -191,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
         if not layer_plans.step_fits(hidden, kv_caches):
             return None
         if self._layer_plans is None or not layer_plans.current(self._layer_plans):
-            self._layer_plans = layer_plans.build(self.layers)
+            exact = all(type(layer) is LlamaDecoderLayer for layer in self.layers)  # a subclass computes otherwise
+            self._layer_plans = layer_plans.build(self.layers) if exact else []
         return self._layer_plans or None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
