@@ -1,6 +1,6 @@
 """A target forward (with its LM head) with tpspec's rotary and SwiGLU kernels against the same
 forward with PyTorch's ops for those two steps, alternating in one process (every other forward),
-on the default model at TP 1 and its default quantization: c sequences of ``--context`` tokens,
+on the default model (or ``--model``) at TP 1 and its default quantization: c sequences of ``--context`` tokens,
 ``--rows`` new tokens each (1: decode; k + 1: a verification), random ids, the same KV cache.
 Medians over ``--forwards`` forwards of each kind, after ``--warmup`` of each. With
 ``--attention-baseline-commit REV`` the other forward is instead this one with the paged-attention
@@ -14,7 +14,7 @@ their plans of kernel calls (``models/layer_plans.py``).
   python3 benchmarks/bench_forward_ops.py --attention-baseline-commit c5563c8 --context 1000 --shapes 1x1 1x4
   python3 benchmarks/bench_forward_ops.py --kv-float32 --context 400 --shapes 1x1 1x4 32x1
   python3 benchmarks/bench_forward_ops.py --kv-write-pytorch --context 400 --shapes 1x1 1x4 32x1
-  python3 benchmarks/bench_forward_ops.py --modules --context 400 --shapes 1x1 1x4 32x1
+  python3 benchmarks/bench_forward_ops.py --modules --context 400 --shapes 1x1 1x4 32x1 [--model gemma-3-270m]
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def main() -> None:
                    help="compare against the same forward over a float32 KV cache instead")
     p.add_argument("--kv-write-pytorch", action="store_true",
                    help="compare against the same forward writing keys and values through PyTorch's ops instead")
+    p.add_argument("--model", default=None, help="a model name or folder (default: the default model)")
     p.add_argument("--modules", action="store_true",
                    help="compare against the same forward through the layers' modules instead of their plans")
     p.add_argument("--result-file")
@@ -116,7 +117,7 @@ def main() -> None:
         from bench_paged_attention import build_baseline
 
         baseline = build_baseline(args.attention_baseline_commit)
-    engine = LLMEngine.from_args(max_num_seqs=64)
+    engine = LLMEngine.from_args(model=args.model, max_num_seqs=64)
     results = []
     other = ("a float32 KV cache" if args.kv_float32 else "PyTorch's KV writes" if args.kv_write_pytorch
              else "the modules" if args.modules else f"{args.attention_baseline_commit}'s attention" if baseline

@@ -1,8 +1,9 @@
-"""Layer plans (models/layer_plans.py): a Llama layer's float32 CPU step as direct kernel calls gives
-the bits of the same step through the layer's modules (hidden states, captured layers, logits and
-the KV cache), for every packed weight format, float32 and float16 caches, prefill chunks, decodes
+"""Layer plans (models/layer_plans.py): a decoder layer's float32 CPU step as direct kernel calls
+gives the bits of the same step through the layer's modules (hidden states, captured layers, logits
+and the KV cache), for Llama, Qwen3 (per-head q/k norms) and Gemma 3 (four norms, GELU, sliding
+windows) layers, every packed weight format, float32 and float16 caches, prefill chunks, decodes
 and verification rows, at TP 1 and 2; plans follow a re-packed weight; a model whose layers have
-none (per-head q/k norms) runs its modules."""
+none (a bias) runs its modules."""
 
 from __future__ import annotations
 
@@ -98,6 +99,13 @@ def test_plans_give_the_bits_of_the_modules(tiny_gguf_llama, quantization, cache
     _assert_same_bits(_compare(tiny_gguf_llama, quantization, cache_dtype))
 
 
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("quantization", [None, "fp16"])
+def test_qwen3_and_gemma3_plans_give_the_bits_of_the_modules(model, quantization, request):
+    """Per-head q/k norms before the rotation (both), Gemma's four norms, GELU and sliding windows."""
+    _assert_same_bits(_compare(request.getfixturevalue(model), quantization, torch.float16))
+
+
 def test_plans_give_the_bits_of_the_modules_at_tp_2(tiny_gguf_llama):
     """Row-parallel products all-reduced inside the plan as in the modules (gloo)."""
     for r in run_distributed(_compare, 2, tiny_gguf_llama, "w4a16", torch.float16):
@@ -120,10 +128,12 @@ def test_plans_follow_a_re_packed_weight(tiny_gguf_llama):
     assert all(torch.equal(a, b) for a, b in zip(planned, _run(model, caches, False)))
 
 
-def test_a_model_whose_layers_have_no_plan_runs_its_modules(tiny_qwen3):
-    """Qwen3's per-head q/k norms: no plan, the modules every step."""
+def test_a_model_whose_layers_have_no_plan_runs_its_modules(tmp_path):
+    """Projections with a bias: no plan, the modules every step."""
+    from tests.conftest import _write_tiny
+
     cpu_kernels.kernels()
-    model = _load(tiny_qwen3, None)
+    model = _load(_write_tiny(str(tmp_path), "llama", attention_bias=True), None)
     caches = allocate_kv_cache(len(model.layers), 32 * BLOCK, model.kv_cache_shape, torch.float32)
     _run(model, caches, True)
     assert model._layer_plans == []

@@ -21,6 +21,7 @@ from tpspec.layers.attention import AttentionMetadata
 from tpspec.layers.logits import LogitsProcessor
 from tpspec.layers.norm import RMSNorm
 from tpspec.layers.rotary import RopeAngles, RotaryEmbedding
+from tpspec.models import layer_plans
 from tpspec.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 SLIDING = "sliding_attention"
@@ -100,6 +101,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     Gemma 3's decoder."""
 
     norm_weight_offset = GemmaRMSNorm.weight_offset
+    layer_plan = (Gemma3DecoderLayer, layer_plans.Gemma3LayerPlan)
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32):
         if cfg.layer_types is None or cfg.sliding_window is None:
@@ -127,15 +129,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         the captured layers' outputs."""
         hidden = self.embed_input_ids(input_ids) if input_embeds is None else input_embeds
         ropes = {False: self.rotary.angles(positions, self.dtype), True: self.local_rotary.angles(positions, self.dtype)}
-        run_layer = _call_layer
+        run_layer, plans = _call_layer, None
         if md.decode_only and self._compiled_layer is not None:
             run_layer = self._compiled_layer
             self.layers[0].self_attn.attn.context_rows(md)  # memoized per step: built here, outside the graph
             if any(layer.sliding for layer in self.layers):
                 md.groups[0].window_bias(self.config.sliding_window)  # likewise
+        elif self.use_layer_plans:
+            plans = self._plans(hidden, kv_caches)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            hidden = run_layer(layer, ropes[layer.sliding], hidden, kv_caches[i], md)
+            if plans:
+                hidden = plans[i](ropes[layer.sliding], hidden, kv_caches[i], md)
+            else:
+                hidden = run_layer(layer, ropes[layer.sliding], hidden, kv_caches[i], md)
             if i in capture_layers:
                 captured[i] = hidden
         return self.norm(hidden), captured

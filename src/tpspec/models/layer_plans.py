@@ -8,10 +8,13 @@ kernels that take them, the head split, the norms' weights), and then makes the 
 on the same tensors in the same order: the same bits as the modules' path (tests/models), so
 batch invariance and sharding invariance hold unchanged.
 
-A plan is built for a layer whose every product has a packed CPU weight (any ``--quantization``;
-the integer formats' kernels called directly, the others through ``cpu_weights.linear``), no bias,
-no per-head q/k norm, and head and hidden sizes the kernels take; it is used while its weights are
-the ones packed at build (``current``) and for float32 steps the kernels take (``usable``).
+Plans cover Llama's layer (and Qwen3's, with per-head q/k norms), Gemma 3's and the EAGLE-3
+head's. A plan is built for a layer whose every product has a packed CPU weight (any
+``--quantization``; the integer formats' kernels called directly, the others through
+``cpu_weights.linear``), no bias, and head and hidden sizes the kernels take; it is used while its
+weights are the ones packed at build (``current``) and for float32 steps the kernels take
+(``step_fits``). What the modules compute with PyTorch's ops there (per-head norms over 3-D
+views, Gemma's GELU), a plan computes with the same ops.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from tpspec.distributed import comm
 from tpspec.layers import cpu_kernels, int8_dot
+from tpspec.layers.activation import silu_and_mul
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.layers.cpu_weights import INTEGER_FORMATS, linear, packed_entry
 from tpspec.layers.rotary import RopeAngles
@@ -66,19 +71,24 @@ class LinearPlan:
 
 
 class AttentionPlan:
-    """``LlamaAttention`` without q/k norms: qkv product, rotary, the new keys and values written,
-    paged attention over the cache in place, output product."""
+    """``LlamaAttention`` (and Gemma 3's): qkv product, per-head q/k norms where it has them,
+    rotary, the new keys and values written, paged attention over the cache in place, output product."""
 
     def __init__(self, attention, qkv: LinearPlan, o: LinearPlan):
         p, a = attention.qkv_proj, attention.attn
         self.qkv, self.o = qkv, o
         self.heads, self.kv_heads, self.d = p.num_local_heads, p.num_local_kv_heads, p.head_dim
-        self.qk_width = p.q_size + p.kv_size
+        self.q_size, self.qk_width = p.q_size, p.q_size + p.kv_size
         self.window, self.kv_head_of_head, self.scale = a.sliding_window, a.kv_head_of_head, a.scale
+        # (shape, weight, eps) of F.rms_norm over each head, as the norm modules compute a 3-D input
+        self.head_norms = None if attention.q_norm is None else tuple(
+            ((self.d,), n.weight, n.eps) for n in (attention.q_norm, attention.k_norm))
 
     @staticmethod
     def of(attention) -> "AttentionPlan | None":
-        if attention.q_norm is not None or attention.qkv_proj.head_dim % 16:
+        if attention.qkv_proj.head_dim % 16:
+            return None
+        if attention.q_norm is not None and any(n.weight.dtype != torch.float32 for n in (attention.q_norm, attention.k_norm)):
             return None
         qkv, o = LinearPlan.of(attention.qkv_proj), LinearPlan.of(attention.o_proj, attention.o_proj.tp_size > 1
                                                                          and attention.o_proj.reduce_results)
@@ -92,34 +102,43 @@ class AttentionPlan:
         kernels = cpu_kernels._MODULE
         qkv = self.qkv(x)  # [T, (heads + 2·kv_heads)·d]
         rows = qkv.shape[0]
-        qk = kernels.rotary(qkv[:, : self.qk_width].view(rows, self.heads + self.kv_heads, self.d), rope.cos, rope.sin)
+        if self.head_norms is None:  # query and key heads side by side: one rotation for both
+            qk = kernels.rotary(qkv[:, : self.qk_width].view(rows, self.heads + self.kv_heads, self.d), rope.cos, rope.sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+        else:
+            (q_shape, q_w, q_eps), (k_shape, k_w, k_eps) = self.head_norms
+            q = F.rms_norm(qkv[:, : self.q_size].view(rows, self.heads, self.d), q_shape, q_w, q_eps)
+            k = F.rms_norm(qkv[:, self.q_size : self.qk_width].view(rows, self.kv_heads, self.d), k_shape, k_w, k_eps)
+            q, k = kernels.rotary(q, rope.cos, rope.sin), kernels.rotary(k, rope.cos, rope.sin)
         k_cache, v_cache = kv_cache
-        kernels.write_kv(qk[:, self.heads :], qkv[:, self.qk_width :].view(rows, self.kv_heads, self.d), k_cache, v_cache,
-                         md.slot_mapping)
-        out = kernels.paged_attention(qk[:, : self.heads].contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
+        kernels.write_kv(k, qkv[:, self.qk_width :].view(rows, self.kv_heads, self.d), k_cache, v_cache, md.slot_mapping)
+        out = kernels.paged_attention(q.contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
                                       md.key_range(self.window), self.kv_head_of_head, self.scale)
         return self.o(out)
 
 
 class MLPPlan:
-    """``LlamaMLP``: gate and up in one product, SwiGLU, down."""
+    """``LlamaMLP`` (and Gemma 3's): gate and up in one product, the activation times up, down."""
 
-    def __init__(self, gate_up: LinearPlan, down: LinearPlan):
+    def __init__(self, gate_up: LinearPlan, down: LinearPlan, act_and_mul):
         self.gate_up, self.down = gate_up, down
+        self.act_and_mul = act_and_mul  # None: SwiGLU's kernel; else the module's own function (Gemma's GELU)
 
     @staticmethod
     def of(mlp) -> "MLPPlan | None":
-        if mlp.down_proj.in_features % 8:
+        swiglu = type(mlp).act_and_mul is silu_and_mul
+        if swiglu and mlp.down_proj.in_features % 8:
             return None
         gate_up = LinearPlan.of(mlp.gate_up_proj)
         down = LinearPlan.of(mlp.down_proj, mlp.down_proj.tp_size > 1 and mlp.down_proj.reduce_results)
-        return None if gate_up is None or down is None else MLPPlan(gate_up, down)
+        return None if gate_up is None or down is None else MLPPlan(gate_up, down, None if swiglu else type(mlp).act_and_mul)
 
     def linears(self) -> tuple[LinearPlan, ...]:
         return self.gate_up, self.down
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down(cpu_kernels._MODULE.silu_and_mul(self.gate_up(x)))
+        act = cpu_kernels._MODULE.silu_and_mul if self.act_and_mul is None else self.act_and_mul
+        return self.down(act(self.gate_up(x)))
 
 
 class LlamaLayerPlan:
@@ -146,6 +165,35 @@ class LlamaLayerPlan:
         x, residual = add_rms_norm(hidden, residual, *self.input_norm)  # residual None: (norm(hidden), hidden)
         x, residual = add_rms_norm(self.attention(rope, x, kv_cache, md), residual, *self.post_norm)
         return self.mlp(x), residual
+
+
+class Gemma3LayerPlan:
+    """``Gemma3DecoderLayer.forward``: RMSNorm, attention, RMSNorm, added to the stream; RMSNorm,
+    MLP, RMSNorm, added to the stream."""
+
+    def __init__(self, layer, attention: AttentionPlan, mlp: MLPPlan):
+        self.attention, self.mlp = attention, mlp
+        self.norms = tuple((n.weight, n.eps) for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                       layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm))
+
+    @staticmethod
+    def of(layer) -> "Gemma3LayerPlan | None":
+        if layer.input_layernorm.weight.shape[0] % 8:
+            return None
+        attention, mlp = AttentionPlan.of(layer.self_attn), MLPPlan.of(layer.mlp)
+        return None if attention is None or mlp is None else Gemma3LayerPlan(layer, attention, mlp)
+
+    def linears(self) -> tuple[LinearPlan, ...]:
+        return (*self.attention.linears(), *self.mlp.linears())
+
+    def __call__(self, rope: RopeAngles, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 md: AttentionMetadata) -> torch.Tensor:
+        add_rms_norm = cpu_kernels._MODULE.add_rms_norm
+        pre_attention, post_attention, pre_mlp, post_mlp = self.norms
+        x = self.attention(rope, add_rms_norm(hidden, None, *pre_attention)[0], kv_cache, md)
+        hidden = hidden + add_rms_norm(x, None, *post_attention)[0]
+        x = self.mlp(add_rms_norm(hidden, None, *pre_mlp)[0])
+        return hidden + add_rms_norm(x, None, *post_mlp)[0]
 
 
 class Eagle3MidlayerPlan:
@@ -187,10 +235,10 @@ def step_fits(hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Te
             and kv_caches[0][0].dtype in (torch.float32, torch.float16))
 
 
-def build(layers) -> list[LlamaLayerPlan]:
-    """One plan per layer of ``layers`` (``LlamaDecoderLayer``s), or [] where any layer has none
-    (the modules then run every step)."""
-    plans = [LlamaLayerPlan.of(layer) for layer in layers]
+def build(layers, plan_class) -> list:
+    """One ``plan_class`` plan per layer of ``layers``, or [] where any layer has none (the modules
+    then run every step)."""
+    plans = [plan_class.of(layer) for layer in layers]
     return [] if any(p is None for p in plans) else plans
 
 

@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
     # hooks on (or a replaced forward of) a layer or its modules do not run: set False to run them
     # (benchmarks/profile_step.py times every module that way).
     use_layer_plans = True
+    layer_plan = (LlamaDecoderLayer, layer_plans.LlamaLayerPlan)  # (the decoder layer's class, its plan's)
     # checkpoint sub-name -> (our parameter sub-name, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),
@@ -191,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         if not layer_plans.step_fits(hidden, kv_caches):
             return None
         if self._layer_plans is None or not layer_plans.current(self._layer_plans):
-            exact = all(type(layer) is LlamaDecoderLayer for layer in self.layers)  # a subclass computes otherwise
-            self._layer_plans = layer_plans.build(self.layers) if exact else []
+            layer_class, plan_class = self.layer_plan
+            exact = all(type(layer) is layer_class for layer in self.layers)  # a subclass computes otherwise
+            self._layer_plans = layer_plans.build(self.layers, plan_class) if exact else []
         return self._layer_plans or None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
