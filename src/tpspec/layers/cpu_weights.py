@@ -123,6 +123,12 @@ def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
 # not by module, so that the custom op below, which gets only tensors, finds it too; an entry is
 # used only while its weight lives with the same storage, shape, dtype and version.
 _PACKED: dict[int, tuple[weakref.ref, int, PackedWeight]] = {}
+_GENERATION = 0  # counts the entries made and dropped: unchanged, every entry looked up before is still there
+
+
+def packing_generation() -> int:
+    """A number that changes whenever an entry of the registry is made or dropped."""
+    return _GENERATION
 
 
 def packed_entry(w: torch.Tensor) -> tuple[weakref.ref, int, PackedWeight] | None:
@@ -150,6 +156,8 @@ def packed_weight_of(w: torch.Tensor, fmt: str | None = None) -> PackedWeight | 
     packed = _pack(w, fmt or ("fp16" if w.dtype == torch.float16 else "onednn"))
     key = w.data_ptr()
     _PACKED[key] = (weakref.ref(w, lambda ref, key=key: _forget(key, ref)), w._version, packed)
+    global _GENERATION
+    _GENERATION += 1
     return packed
 
 
@@ -160,8 +168,10 @@ def _formats_of(fmt: str | None) -> tuple[str, ...]:
 
 def _forget(key: int, ref: weakref.ref) -> None:
     """A packed weight's tensor died: drop its entry, unless a newer weight took its address."""
+    global _GENERATION
     if _PACKED.get(key, (None,))[0] is ref:
         del _PACKED[key]
+        _GENERATION += 1
 
 
 @torch.library.custom_op("tpspec::packed_linear", mutates_args=())

@@ -207,7 +207,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.draft_vocab_size, a.hidden_size, dtype)
         self.logits_processor = LogitsProcessor(cfg.draft_vocab_size)
         self.register_buffer("target_ids", torch.arange(cfg.draft_vocab_size), persistent=False)  # [draft_vocab] i + d2t[i]
-        self._midlayer_plan: list | None = None  # [plan] or [] (none), built on first use, rebuilt after a re-pack
+        self._midlayer_plan: layer_plans.LayerPlans | None = None  # [plan] or [] (none), built on first use
 
     @property
     def embedding(self) -> VocabParallelEmbedding:
@@ -241,9 +241,9 @@ class Eagle3LlamaForCausalLM(nn.Module):
         """The midlayer's plan of kernel calls for this pass (``layer_plans``), None where it takes its modules."""
         if not (self.use_layer_plans and layer_plans.step_fits(hidden, [kv_cache]) and embeds.is_contiguous()):
             return None
-        if self._midlayer_plan is None or not layer_plans.current(self._midlayer_plan):
+        if self._midlayer_plan is None or not self._midlayer_plan.current():
             plan = layer_plans.Eagle3MidlayerPlan.of(self.midlayer)
-            self._midlayer_plan = [] if plan is None else [plan]
+            self._midlayer_plan = layer_plans.LayerPlans([] if plan is None else [plan])
         return self._midlayer_plan[0] if self._midlayer_plan else None
 
     def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:

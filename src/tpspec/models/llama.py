@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         _, (k0, k1) = head_partition(cfg.num_attention_heads, cfg.num_key_value_heads, get_tp_size(), get_tp_rank())
         self.kv_cache_shape = (k1 - k0, cfg.head_dim)  # per slot, per layer
         self._compiled_layer = None  # compile_decode_layers()
-        self._layer_plans: list | None = None  # built on first use (layer_plans), rebuilt when a weight is re-packed
+        self._layer_plans: layer_plans.LayerPlans | None = None  # built on first use, rebuilt when a weight is re-packed
 
     def compile_decode_layers(self) -> None:
         """Run decode steps (one query per sequence) through a ``torch.compile``d decoder layer:
@@ -191,10 +191,10 @@ class LlamaForCausalLM(nn.Module):
         """The layers' plans for this step (``layer_plans``), None where the step or a layer takes the modules."""
         if not layer_plans.step_fits(hidden, kv_caches):
             return None
-        if self._layer_plans is None or not layer_plans.current(self._layer_plans):
+        if self._layer_plans is None or not self._layer_plans.current():
             layer_class, plan_class = self.layer_plan
             exact = all(type(layer) is layer_class for layer in self.layers)  # a subclass computes otherwise
-            self._layer_plans = layer_plans.build(self.layers, plan_class) if exact else []
+            self._layer_plans = layer_plans.build(self.layers, plan_class) if exact else layer_plans.LayerPlans([])
         return self._layer_plans or None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
