@@ -157,6 +157,8 @@ def test_the_acceptance_prior_defaults_to_what_the_drafter_measured(tiny_llama, 
 
     eagle = prior({"method": "eagle3"})
     assert len(eagle) == 6 and 0.45 < eagle[0] < 0.6  # the shipped head's measured rates
+    dflash = prior({"method": "dflash"})
+    assert len(dflash) == 3 and dflash[0] > dflash[1] > dflash[2]  # the shipped DFlash drafter's
     assert prior({"method": "eagle3", "acceptance_prior": [0.7]}) == (0.7,)
     assert prior({"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}, tiny_llama) is None
     folder = shutil.copytree(tiny_llama, tmp_path / "draft")
