@@ -126,6 +126,10 @@ def test_plans_follow_a_re_packed_weight(tiny_gguf_llama):
         model.layers[1].mlp.down_proj.weight.mul_(2)  # changed in place: packed again on next use
     planned = _run(model, caches, True)
     assert all(torch.equal(a, b) for a, b in zip(planned, _run(model, caches, False)))
+    weight = model.layers[2].self_attn.o_proj.weight
+    weight.data = weight.data * 2  # new storage, the version unchanged: packed again on next use
+    planned = _run(model, caches, True)
+    assert all(torch.equal(a, b) for a, b in zip(planned, _run(model, caches, False)))
 
 
 def test_a_model_whose_layers_have_no_plan_runs_its_modules(tmp_path):

@@ -238,11 +238,14 @@ class LayerPlans(list):
     def __init__(self, plans: list):
         super().__init__(plans)
         self._linears = tuple(lin for p in plans for lin in p.linears())
+        # each weight, its version and its storage's address at build
+        self._weights = tuple((lin.weight, lin.version, lin.weight.data_ptr()) for lin in self._linears)
         self._generation = packing_generation()  # the registry's, when its entries were last confirmed
 
     def current(self) -> bool:
-        if not all(lin.weight._version == lin.version for lin in self._linears):  # changed in place
-            return False
+        for weight, version, ptr in self._weights:  # changed in place, or given new storage (.data =)
+            if weight._version != version or weight.data_ptr() != ptr:
+                return False
         if self._generation == packing_generation():  # no entry made or dropped since: none re-packed
             return True
         if all(packed_entry(lin.weight) is lin.entry for lin in self._linears):
