@@ -5,16 +5,24 @@ acceptance length and the acceptance rate at each draft position (accepted / pro
 
   python3 benchmarks/drafter_acceptance.py --method eagle3 --ks 3 6 --temperatures 0 0.8 --result-file out.json
   python3 benchmarks/drafter_acceptance.py --method dflash --drafters shipped path/to/drafter --ks 15
+
+With ``--write-acceptance`` each drafter folder given gets an ``acceptance.json`` (what the adaptive
+controller starts from, ``speculative_config.acceptance_prior``): the greedy run's rate at each draft
+position given the drafts before it accepted (of the largest k run), up to the last position that
+at least ``MIN_TRIED`` accepted drafts reached.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
 from tpspec.bench.machine import machine_info
+
+MIN_TRIED = 40  # drafts a position's rate must rest on to be written (--write-acceptance)
 
 
 def worker(method: str, drafter: str, k: int, temperature: float, first: int, num: int, max_tokens: int, seed: int) -> dict:
@@ -45,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (temperature > 0)")
     p.add_argument("--result-file", default=None)
+    p.add_argument("--write-acceptance", action="store_true",
+                   help="write each drafter folder's acceptance.json from its greedy run (see above)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "drafter|k|temperature": one run, here
     args = p.parse_args(argv)
     run = dict(first=args.first_prompt, num=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed)
@@ -73,7 +83,38 @@ def main(argv=None) -> int:
         with open(args.result_file, "w") as f:
             json.dump({"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k != "worker"},
                        "results": results}, f, indent=1)
+    if args.write_acceptance:
+        write_acceptance(results, " ".join(["python3", "benchmarks/drafter_acceptance.py", *(argv or sys.argv[1:])]))
     return 0
+
+
+def conditional_rates(stats: dict) -> list[float]:
+    """α_j = drafts accepted at position j over those accepted at j − 1 (position 1: over all
+    drafting passes), while at least ``MIN_TRIED`` reached position j."""
+    rates, reached = [], stats["num_drafts"]
+    for accepted in stats["num_accepted_tokens_per_pos"]:
+        if reached < MIN_TRIED:
+            break
+        rates.append(round(accepted / reached, 3))
+        reached = accepted
+    return rates
+
+
+def write_acceptance(results: list[dict], command: str) -> None:
+    """Each drafter folder's ``acceptance.json`` from its greedy run with the largest k."""
+    from tpspec.spec_decode.resolve import ACCEPTANCE_FILE
+
+    for drafter in dict.fromkeys(r["drafter"] for r in results):
+        greedy = [r for r in results if r["drafter"] == drafter and r["temperature"] == 0.0]
+        if drafter == "shipped" or not greedy:
+            print(f"{drafter}: no {ACCEPTANCE_FILE} written (a folder and a greedy run are needed)")
+            continue
+        best = max(greedy, key=lambda r: r["k"])
+        path = os.path.join(drafter, ACCEPTANCE_FILE)
+        with open(path, "w") as f:
+            json.dump({"greedy_acceptance_rates": conditional_rates(best["stats"]),
+                       "measured_by": f"{command} (k = {best['k']}, {machine_info()['cpu']})"}, f, indent=2)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
