@@ -145,9 +145,11 @@ def test_a_model_whose_layers_have_no_plan_runs_its_modules(tmp_path):
 
 @pytest.mark.parametrize("quantization", [None, "w4a16"])
 @pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_the_eagle3_midlayers_plan_gives_the_bits_of_its_modules(tiny_llama, tmp_path, quantization, norm_before_residual):
+def test_the_eagle3_midlayers_plan_gives_the_bits_of_its_modules(tiny_llama, tmp_path, quantization, norm_before_residual,
+                                                                monkeypatch):
     """A feed pass of 3 rows and two chain passes of 1, through the midlayer's plan and its modules."""
     from tests.models.test_eagle3 import write_eagle3
+    from tpspec.models import eagle3
     from tpspec.models.eagle3 import Eagle3Config, Eagle3LlamaForCausalLM
 
     cpu_kernels.kernels()
@@ -157,9 +159,13 @@ def test_the_eagle3_midlayers_plan_gives_the_bits_of_its_modules(tiny_llama, tmp
     model.load_weights(iterate_weights(folder, show_progress=False))
     pack_cpu_weights(model, quantization)
     caches = [allocate_kv_cache(1, 32 * BLOCK, model.kv_cache_shape, torch.float16)[0] for _ in range(2)]
-    outs = {}
+    outs, module_calls = {}, {}
+    midlayer_forward = eagle3.Eagle3DecoderLayer.forward
+    calls = []
+    monkeypatch.setattr(eagle3.Eagle3DecoderLayer, "forward", lambda self, *a: calls.append(1) or midlayer_forward(self, *a))
     for use_plans, cache in ((True, caches[0]), (False, caches[1])):
         model.use_layer_plans = use_plans
+        calls.clear()
         g = torch.Generator().manual_seed(0)
         hidden = torch.randn(3, model.config.arch.hidden_size, generator=g)
         outs[use_plans] = []
@@ -170,6 +176,7 @@ def test_the_eagle3_midlayers_plan_gives_the_bits_of_its_modules(tiny_llama, tmp
                 normed, prenorm = model(ids, torch.arange(context - rows, context), hidden, cache, md)
                 outs[use_plans] += [normed, prenorm]
                 hidden = prenorm[-1:]
-    assert model._midlayer_plan  # built, and used: the bits below differ from the modules' otherwise only by chance
+        module_calls[use_plans] = len(calls)
+    assert model._midlayer_plan and module_calls == {True: 0, False: 3}  # the plan ran every pass, the modules none
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
     assert all(torch.equal(a, b) for a, b in zip(*caches))

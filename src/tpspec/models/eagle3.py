@@ -242,8 +242,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         if not (self.use_layer_plans and layer_plans.step_fits(hidden, [kv_cache]) and embeds.is_contiguous()):
             return None
         if self._midlayer_plan is None or not self._midlayer_plan.current():
-            plan = layer_plans.Eagle3MidlayerPlan.of(self.midlayer)
-            self._midlayer_plan = layer_plans.LayerPlans([] if plan is None else [plan])
+            self._midlayer_plan = layer_plans.build([self.midlayer], layer_plans.Eagle3MidlayerPlan)
         return self._midlayer_plan[0] if self._midlayer_plan else None
 
     def compute_logits(self, hidden: torch.Tensor, site: str = "logits.all_gather") -> torch.Tensor:

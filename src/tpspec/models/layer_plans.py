@@ -29,6 +29,7 @@ from tpspec.layers import cpu_kernels, int8_dot
 from tpspec.layers.activation import silu_and_mul
 from tpspec.layers.attention import AttentionMetadata
 from tpspec.layers.cpu_weights import INTEGER_FORMATS, linear, packed_entry, packing_generation
+from tpspec.layers.linear import RowParallelLinear
 from tpspec.layers.rotary import RopeAngles
 
 
@@ -55,11 +56,12 @@ class LinearPlan:
             self.call = lambda x: linear(x, weight, None, packed)
 
     @staticmethod
-    def of(module, reduce: bool = False) -> "LinearPlan | None":
-        """The plan of ``module`` (a ``PackedCPUWeight`` layer), None where it has a bias or no packed weight."""
+    def of(module) -> "LinearPlan | None":
+        """The plan of ``module`` (a ``PackedCPUWeight`` layer), None where it has a bias or no packed
+        weight. A row-parallel product is all-reduced as its module's forward does it."""
         if getattr(module, "bias", None) is not None or module.packed_weight() is None:
             return None
-        return LinearPlan(module, reduce)
+        return LinearPlan(module, isinstance(module, RowParallelLinear) and module.tp_size > 1 and module.reduce_results)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] contiguous float32 -> [rows, out]
         y = self.call(x)
@@ -86,8 +88,7 @@ class AttentionPlan:
             return None
         if attention.q_norm is not None and any(n.weight.dtype != torch.float32 for n in (attention.q_norm, attention.k_norm)):
             return None
-        qkv, o = LinearPlan.of(attention.qkv_proj), LinearPlan.of(attention.o_proj, attention.o_proj.tp_size > 1
-                                                                         and attention.o_proj.reduce_results)
+        qkv, o = LinearPlan.of(attention.qkv_proj), LinearPlan.of(attention.o_proj)
         return None if qkv is None or o is None else AttentionPlan(attention, qkv, o)
 
     def linears(self) -> tuple[LinearPlan, ...]:
@@ -125,8 +126,7 @@ class MLPPlan:
         swiglu = type(mlp).act_and_mul is silu_and_mul
         if swiglu and mlp.down_proj.in_features % 8:
             return None
-        gate_up = LinearPlan.of(mlp.gate_up_proj)
-        down = LinearPlan.of(mlp.down_proj, mlp.down_proj.tp_size > 1 and mlp.down_proj.reduce_results)
+        gate_up, down = LinearPlan.of(mlp.gate_up_proj), LinearPlan.of(mlp.down_proj)
         return None if gate_up is None or down is None else MLPPlan(gate_up, down, None if swiglu else type(mlp).act_and_mul)
 
     def linears(self) -> tuple[LinearPlan, ...]:
@@ -137,23 +137,39 @@ class MLPPlan:
         return self.down(act(self.gate_up(x)))
 
 
-class LlamaLayerPlan:
-    """``LlamaDecoderLayer.forward``: (residual add and) RMSNorm, attention, RMSNorm, MLP."""
+def _norm(module) -> tuple[torch.Tensor, float]:
+    """An RMSNorm module's (weight, eps), as ``add_rms_norm`` takes them."""
+    return module.weight, module.eps
+
+
+class _DecoderLayerPlan:
+    """What every decoder layer's plan has: its attention and MLP plans, and norms read at build
+    (``_read``). ``of`` builds one where the layer's hidden size and both halves allow it."""
 
     def __init__(self, layer, attention: AttentionPlan, mlp: MLPPlan):
         self.attention, self.mlp = attention, mlp
-        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
-        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        self._read(layer)
 
-    @staticmethod
-    def of(layer) -> "LlamaLayerPlan | None":
-        if layer.input_layernorm.weight.shape[0] % 8:
+    def _read(self, layer) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def of(cls, layer):
+        """The plan of ``layer``, or None where it has none."""
+        if layer.input_layernorm.weight.shape[0] % 8:  # the norm kernel's width
             return None
         attention, mlp = AttentionPlan.of(layer.self_attn), MLPPlan.of(layer.mlp)
-        return None if attention is None or mlp is None else LlamaLayerPlan(layer, attention, mlp)
+        return None if attention is None or mlp is None else cls(layer, attention, mlp)
 
     def linears(self) -> tuple[LinearPlan, ...]:
         return (*self.attention.linears(), *self.mlp.linears())
+
+
+class LlamaLayerPlan(_DecoderLayerPlan):
+    """``LlamaDecoderLayer.forward``: (residual add and) RMSNorm, attention, RMSNorm, MLP."""
+
+    def _read(self, layer) -> None:
+        self.input_norm, self.post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
 
     def __call__(self, rope: RopeAngles, hidden: torch.Tensor, residual: torch.Tensor | None,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,24 +179,13 @@ class LlamaLayerPlan:
         return self.mlp(x), residual
 
 
-class Gemma3LayerPlan:
+class Gemma3LayerPlan(_DecoderLayerPlan):
     """``Gemma3DecoderLayer.forward``: RMSNorm, attention, RMSNorm, added to the stream; RMSNorm,
     MLP, RMSNorm, added to the stream."""
 
-    def __init__(self, layer, attention: AttentionPlan, mlp: MLPPlan):
-        self.attention, self.mlp = attention, mlp
-        self.norms = tuple((n.weight, n.eps) for n in (layer.input_layernorm, layer.post_attention_layernorm,
-                                                       layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm))
-
-    @staticmethod
-    def of(layer) -> "Gemma3LayerPlan | None":
-        if layer.input_layernorm.weight.shape[0] % 8:
-            return None
-        attention, mlp = AttentionPlan.of(layer.self_attn), MLPPlan.of(layer.mlp)
-        return None if attention is None or mlp is None else Gemma3LayerPlan(layer, attention, mlp)
-
-    def linears(self) -> tuple[LinearPlan, ...]:
-        return (*self.attention.linears(), *self.mlp.linears())
+    def _read(self, layer) -> None:
+        self.norms = tuple(_norm(n) for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                               layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm))
 
     def __call__(self, rope: RopeAngles, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                  md: AttentionMetadata) -> torch.Tensor:
@@ -192,26 +197,14 @@ class Gemma3LayerPlan:
         return hidden + add_rms_norm(x, None, *post_mlp)[0]
 
 
-class Eagle3MidlayerPlan:
+class Eagle3MidlayerPlan(_DecoderLayerPlan):
     """The EAGLE-3 midlayer (``models/eagle3.Eagle3DecoderLayer``): the token embeddings and the
     carried hidden states each RMS-normed, side by side into attention, then RMSNorm and MLP."""
 
-    def __init__(self, layer, attention: AttentionPlan, mlp: MLPPlan):
-        self.attention, self.mlp = attention, mlp
-        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
-        self.hidden_norm = (layer.hidden_norm.weight, layer.hidden_norm.eps)
-        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+    def _read(self, layer) -> None:
+        self.input_norm, self.hidden_norm = _norm(layer.input_layernorm), _norm(layer.hidden_norm)
+        self.post_norm = _norm(layer.post_attention_layernorm)
         self.norm_before_residual = layer.norm_before_residual
-
-    @staticmethod
-    def of(layer) -> "Eagle3MidlayerPlan | None":
-        if layer.hidden_norm.weight.shape[0] % 8:
-            return None
-        attention, mlp = AttentionPlan.of(layer.self_attn), MLPPlan.of(layer.mlp)
-        return None if attention is None or mlp is None else Eagle3MidlayerPlan(layer, attention, mlp)
-
-    def linears(self) -> tuple[LinearPlan, ...]:
-        return (*self.attention.linears(), *self.mlp.linears())
 
     def __call__(self, rope: RopeAngles, embeds: torch.Tensor, hidden: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
