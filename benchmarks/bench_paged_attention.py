@@ -8,11 +8,12 @@ calls each. ``--layers N`` cycles through N layers' caches, as a forward does (w
 sequence's keys are no longer in the CPU's caches when its next call comes).
 
 ``--baseline-commit REV`` also builds the kernel as it was at REV (its ``decode_ops.cpp``, from
-git) and times it in the same run on the same inputs (the kernel call alone, both): how a change
-to the kernel moved it, free of the drift between runs.
+git) and times it in the same run on the same inputs (the kernel call alone, both; float32 caches,
+or float16 ones with ``--baseline-float16``): how a change to the kernel moved it, free of the
+drift between runs, and whether its bits moved (a line says so).
 
   python3 benchmarks/bench_paged_attention.py --result-file benchmarks/results/paged_attention_avx2.json
-  python3 benchmarks/bench_paged_attention.py --layers 30 --baseline-commit HEAD~1
+  python3 benchmarks/bench_paged_attention.py --layers 30 --baseline-commit HEAD~1 [--baseline-float16]
 
 ``--kv-float16`` also times the kernel alone on a float16 copy of the caches (their values rounded to
 float16 in both, so the outputs must have the same bits), alternating rounds with the float32 ones:
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=1, help="layers' caches cycled through (30: cold, as in a forward)")
     p.add_argument("--baseline-commit", default=None, help="also time the kernel as it was at this commit")
+    p.add_argument("--baseline-float16", action="store_true",
+                   help="compare with the baseline on float16 caches (the CPU default) instead of float32 ones")
     p.add_argument("--kv-float16", action="store_true", help="also time the kernel on float16 caches of the same values")
     p.add_argument("--result-file", default=None)
     return p.parse_args(argv)
@@ -145,7 +148,10 @@ def main(argv=None) -> int:
 
                     timing = (args.layers, args.calls, args.repeats)
                     if baseline:  # the two kernels, alternating rounds, on the same inputs
-                        new_us, old_us = alternating_us(kernel_call(module, caches), kernel_call(baseline, caches),
+                        compared = [(k.half(), v.half()) for k, v in caches] if args.baseline_float16 else caches
+                        if not torch.equal(kernel_call(module, compared)(0), kernel_call(baseline, compared)(0)):
+                            print(f"  (seqs {seqs}, context {ctx}, {q_len} new: other bits than the baseline's)")
+                        new_us, old_us = alternating_us(kernel_call(module, compared), kernel_call(baseline, compared),
                                                         *timing, rounds=2)
                         row.update(kernel_call_us=new_us, baseline_call_us=old_us)
                         line += f" {new_us:.1f} | {old_us:.1f} | {old_us / new_us:.2f} |"
@@ -164,6 +170,7 @@ def main(argv=None) -> int:
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({"machine": machine_info(), "layers": args.layers, "baseline_commit": args.baseline_commit,
+                       "baseline_float16": args.baseline_float16,
                        "kv_float16": args.kv_float16,
                        "rows": rows}, f, indent=1)
     return 0

@@ -5,6 +5,7 @@ a stand-in OpenAI server without ``/metrics`` that fails some requests."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import pytest
@@ -152,6 +153,23 @@ def test_another_server_without_metrics_and_with_failures(monkeypatch):
     for key in ("spec_decode_acceptance_rate", "spec_decode_acceptance_length", "spec_decode_num_drafts",
                 "draft_bytes_per_draft_token"):
         assert r[key] is None
+
+
+def test_no_garbage_collection_while_timing(monkeypatch):
+    """The measured requests run with the collector off (a full collection paused every stream by
+    25-100 ms), the warm-up with it on; it is on again afterwards."""
+    seen = []
+    send = serve.send_request
+
+    async def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return await send(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "send_request", recording)
+    monkeypatch.setattr(serve, "workload_prompts", lambda w: ["ok"])
+    with ServerThread(_fake_app()) as fake:
+        r = benchmark(Target(fake.url), Workload(num_prompts=3, num_warmups=1), show_progress=False)
+    assert r["completed"] == 3 and seen == [True, False, False, False] and gc.isenabled()
 
 
 def test_unreachable_server_is_a_clear_error(caplog):

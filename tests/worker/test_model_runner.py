@@ -1,10 +1,16 @@
 """The model runner on its own terms: a step's sampling metadata is built once (one gather from
 the slot-indexed sampling states) and every drafting pass and verified position indexes it; the
-rank's per-request state (records, sampling slots, drafts) goes with the request."""
+rank's per-request state (records, sampling slots, drafts) goes with the request; its phase times
+leave out waits for the GIL."""
 
 from __future__ import annotations
 
+import threading
+import time
+import types
+
 import pytest
+import torch
 
 from tpspec import LLM, SamplingParams
 from tpspec.sample.sampler import SamplingMetadata
@@ -52,3 +58,28 @@ def test_sampling_metadata_is_built_once_per_step(tiny_llama, eagle3_head, monke
     verifying = [s for s in per_step if s[0] > 0]
     assert len(verifying) >= 5 and all(s[0] == 3 * len(PROMPTS) for s in verifying[:1])
     assert all((gathers, built) == (1, 0) for _, gathers, built in per_step), per_step
+
+
+def test_phase_times_leave_out_waits_for_the_gil():
+    """On a CPU at TP 1 the runner's phase times (the controller's step-time model learns from them)
+    are the engine thread's CPU time: while another thread of the process holds the GIL (the
+    server's, streaming outputs), the step does not advance, and that wait must not be charged to
+    the phase it fell in. Here the phase's own work runs beside a thread that takes the GIL about
+    half the time: wall time counts both, the phase time its own."""
+    runner = types.SimpleNamespace(device=torch.device("cpu"))
+
+    def work(n: int) -> None:
+        total = 0
+        for i in range(n):
+            total += i * i
+
+    stop = threading.Event()
+    other = threading.Thread(target=lambda: [work(1000) for _ in iter(stop.is_set, True)])
+    wall0, phase0 = time.perf_counter(), ModelRunner._now(runner)
+    other.start()
+    for _ in range(5):
+        work(200_000)
+    phase, wall = ModelRunner._now(runner) - phase0, time.perf_counter() - wall0
+    stop.set()
+    other.join()
+    assert phase < 0.75 * wall  # about half: the other thread held the GIL the rest of the time

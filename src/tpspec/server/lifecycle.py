@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -102,6 +103,12 @@ def serve(engine: AsyncEngine, config: uvicorn.Config, grace_s: float, descripti
     """Bind, serve ``config.app`` until SIGTERM/SIGINT or engine death, return the exit status. The
     caller shuts the engine down afterwards."""
     server = GracefulServer(config, engine, grace_s)
+    # What exists now (the model, its modules and tensors, the app) lives as long as the server:
+    # frozen, a full garbage collection no longer walks it. Unfrozen, one took 128 ms mid-stream
+    # (one stream of the default model with EAGLE-3), and the engine's step waited for it; frozen,
+    # none took over 2 ms serving the same requests. vLLM's engine core freezes its heap too (freeze_gc_heap).
+    gc.collect()
+    gc.freeze()
     sock = bind(config)
     host, port = sock.getsockname()[:2]
     logger.info("tpspec server ready: http://%s:%d (%s)", host, port, description)

@@ -33,6 +33,13 @@ import numpy as np
 from tpspec.config.speculative_methods import SpeculativeMethod
 
 LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
+# A step's measured phase counts as at most this many times its prediction, and at least its
+# prediction divided by it: one stall (a garbage collection, a preempted thread) then moves the
+# curves no more than a step twice as slow as predicted does, while a curve that is really off
+# still gets there over a few steps. (Served at one stream, after one 135 ms drafter phase,
+# predicted at 2.5 ms, the stream proposed in 93 of its next 1,173 steps, its probes predicted at
+# 19-25 ms and measured at 11-13.)
+MAX_ERROR_RATIO = 2.0
 OVERHEAD_DECAY = 0.9
 
 
@@ -148,7 +155,8 @@ class StepTimeModel:
 
 
 def _nlms_joint(terms: list[tuple[PiecewiseLinear, list[int]]], observed: float) -> None:
-    """Normalized LMS on the sum Σ_curves Σ_x curve(x) against one observed total."""
+    """Normalized LMS on the sum Σ_curves Σ_x curve(x) against one observed total (held within
+    ``MAX_ERROR_RATIO`` of the prediction)."""
     weights: list[tuple[PiecewiseLinear, dict[int, float]]] = []
     predicted, norm = 0.0, 0.0
     for curve, xs in terms:
@@ -161,6 +169,8 @@ def _nlms_joint(terms: list[tuple[PiecewiseLinear, list[int]]], observed: float)
         weights.append((curve, w))
     if norm == 0.0:
         return
+    if predicted > 0.0:
+        observed = min(max(observed, predicted / MAX_ERROR_RATIO), predicted * MAX_ERROR_RATIO)
     step = LEARNING_RATE * (observed - predicted) / norm
     for curve, w in weights:
         if not w:
