@@ -4,11 +4,15 @@
 host work), as medians over the steps of each number of verified drafts; beside plain decoding
 of the same prompts.
 
-c HumanEval prompts (from index ``--first-prompt``) start together, greedy, ``--max-tokens``
-each; only steps in which all c requests decode (no prefill, none finished yet) count.
+Plain decoding and the speculative configuration run as two engines in one process (one process
+per concurrency), taking turns: each of ``--rounds`` rounds sends c HumanEval prompts (from index
+``--first-prompt``, new ones each round) through both, the order reversed every other round, so
+that the machine's drift (up to 1.5x within minutes on these machines) falls on both alike. The c
+prompts of a round start together, greedy, ``--max-tokens`` each; only steps in which all c
+requests decode (no prefill, none finished yet) count, pooled over the rounds.
 
-With ``--flowing N``, N prompts instead, at most c in flight (a finished request is replaced, as
-when serving), and every step counts: a second table gives, per kind of step (with or without
+With ``--flowing N``, N prompts instead (one round: each engine's in turn), at most c in flight
+(a finished request is replaced, as when serving), and every step counts: a second table gives, per kind of step (with or without
 prefill rows, proposing drafts or not), the number of steps, their mean and maximum and their
 total seconds, so that the whole run's difference between two configurations can be placed.
 
@@ -41,25 +45,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flowing", type=int, default=None, metavar="N",
                    help="N prompts with at most c in flight, every step counted by kind (see above)")
     p.add_argument("--result-file", default=None)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "spec|c": one run, in this process
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of c prompts, each through both engines in turn (the order reversed every other round)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "[specs]|c": one run, in this process
     return p.parse_args(argv)
 
 
-def worker(args) -> None:
-    from tpspec.bench.datasets import humaneval_prompts
-    from tpspec.engine.llm_engine import LLMEngine
-    from tpspec.sampling_params import SamplingParams
+class Recorder:
+    """One engine (TP 1: its runner in this process) with timers on its runner's phases; its steps'
+    phase times kept by verified drafts (steps in which all c requests decode) and by kind."""
 
-    spec_json, c = args.worker.rsplit("|", 1)
-    spec, c = json.loads(spec_json), int(c)
-    n = args.flowing or c
-    prompts = humaneval_prompts(args.first_prompt + n)[args.first_prompt :]
-    engine = LLMEngine.from_args(speculative_config=spec, max_num_seqs=max(64, c))
-    runner = engine.executor.runner  # TP 1: the runner lives in this process
-    current: dict[str, float] = {}
+    def __init__(self, spec: dict | None, c: int):
+        from tpspec.engine.llm_engine import LLMEngine
 
-    def timed(obj, name: str, phase: str) -> None:
-        fn = getattr(obj, name)
+        self.spec, self.c = spec, c
+        self.engine = LLMEngine.from_args(speculative_config=spec, max_num_seqs=max(64, c))
+        runner = self.engine.executor.runner
+        self.current: dict[str, float] = {}
+        self.by_verified: dict[int, list[dict]] = defaultdict(list)
+        self.by_kind: dict[str, list[float]] = defaultdict(list)  # every step's seconds, by step_kind
+        self._timed(runner.model, "forward", "forward")
+        self._timed(runner.model, "compute_logits", "logits")
+        self._timed(runner, "_verify", "verify")
+        self._timed(runner, "_propose", "propose")
+        execute = runner.execute
+
+        def execute_timed(step):
+            self.current.clear()
+            t0 = time.perf_counter()
+            out = execute(step)
+            self.current["total"] = time.perf_counter() - t0
+            if len(step.seqs) == c and all(s.num_new_tokens == 1 for s in step.seqs):
+                self.by_verified[sum(s.num_spec for s in step.seqs)].append(dict(self.current))
+            self.by_kind[step_kind(step)].append(self.current["total"])
+            return out
+
+        runner.execute = execute_timed
+
+    def _timed(self, obj, name: str, phase: str) -> None:
+        fn, current = getattr(obj, name), self.current
 
         def wrapper(*a, **kw):
             if phase == "logits" and "in_propose" in current:  # the drafter's: counted in "propose"
@@ -74,47 +98,50 @@ def worker(args) -> None:
 
         setattr(obj, name, wrapper)
 
-    timed(runner.model, "forward", "forward")
-    timed(runner.model, "compute_logits", "logits")
-    timed(runner, "_verify", "verify")
-    timed(runner, "_propose", "propose")
-    by_verified: dict[int, list[dict]] = defaultdict(list)
-    by_kind: dict[str, list[float]] = defaultdict(list)  # every step's seconds, by step_kind
-    execute = runner.execute
-
-    def execute_timed(step):
-        current.clear()
-        t0 = time.perf_counter()
-        out = execute(step)
-        current["total"] = time.perf_counter() - t0
-        if len(step.seqs) == c and all(s.num_new_tokens == 1 for s in step.seqs):
-            by_verified[sum(s.num_spec for s in step.seqs)].append(dict(current))
-        by_kind[step_kind(step)].append(current["total"])
-        return out
-
-    runner.execute = execute_timed
-    try:
-        engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-        while engine.has_unfinished_requests():
-            engine.step()
-        by_verified.clear()
-        by_kind.clear()
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
-        pending = list(prompts)
+    def run(self, prompts: list[str], params) -> None:
+        """``prompts`` through the engine, at most c in flight (a finished request is replaced)."""
+        engine, pending = self.engine, list(prompts)
         while pending or engine.has_unfinished_requests():
-            while pending and engine.get_stats()["num_running"] + engine.get_stats()["num_waiting"] < c:
+            while pending and engine.get_stats()["num_running"] + engine.get_stats()["num_waiting"] < self.c:
                 engine.add_request(pending.pop(0), params)
             engine.step()
+
+    def result(self) -> dict:
+        rows = []
+        for verified, steps in sorted(self.by_verified.items()):
+            med = {k: 1000 * statistics.median(s.get(k, 0.0) for s in steps) for k in (*PHASES, "total")}
+            med["other"] = med["total"] - sum(med[k] for k in PHASES)
+            rows.append({"verified_drafts": verified, "steps": len(steps), "ms": med})
+        kinds = {kind: {"steps": len(t), "mean_ms": 1000 * statistics.fmean(t), "max_ms": 1000 * max(t), "total_s": sum(t)}
+                 for kind, t in sorted(self.by_kind.items())}
+        return {"speculative_config": self.spec, "concurrency": self.c, "rows": rows, "kinds": kinds}
+
+
+def worker(args) -> None:
+    """Every configuration's engine in this process; the rounds' prompts through each in turn."""
+    from tpspec.bench.datasets import humaneval_prompts
+    from tpspec.sampling_params import SamplingParams
+
+    specs_json, c = args.worker.rsplit("|", 1)
+    specs, c = json.loads(specs_json), int(c)
+    n = args.flowing or c
+    rounds = 1 if args.flowing else args.rounds
+    prompts = humaneval_prompts(args.first_prompt + rounds * n)[args.first_prompt :]
+    recorders = [Recorder(spec, c) for spec in specs]
+    try:
+        for r in recorders:  # warm-up, not counted
+            r.run(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
+            r.by_verified.clear()
+            r.by_kind.clear()
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
+        for i in range(rounds):  # the configurations' order reversed every other round
+            for r in recorders if i % 2 == 0 else recorders[::-1]:
+                r.run(prompts[i * n : (i + 1) * n], params)
     finally:
-        engine.shutdown()
-    rows = []
-    for verified, steps in sorted(by_verified.items()):
-        med = {k: 1000 * statistics.median(s.get(k, 0.0) for s in steps) for k in (*PHASES, "total")}
-        med["other"] = med["total"] - sum(med[k] for k in PHASES)
-        rows.append({"verified_drafts": verified, "steps": len(steps), "ms": med})
-    kinds = {kind: {"steps": len(t), "mean_ms": 1000 * statistics.fmean(t), "max_ms": 1000 * max(t), "total_s": sum(t)}
-             for kind, t in sorted(by_kind.items())}
-    print("RESULT " + json.dumps({"speculative_config": spec, "concurrency": c, "rows": rows, "kinds": kinds}), flush=True)
+        for r in recorders:
+            r.engine.shutdown()
+    for r in recorders:
+        print("RESULT " + json.dumps(r.result()), flush=True)
 
 
 def step_kind(step) -> str:
@@ -130,15 +157,16 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     results = []
-    for c in args.concurrency:
-        for spec in ("null", args.speculative_config):
-            cmd = [sys.executable, __file__, "--worker", f"{spec}|{c}", "--max-tokens", str(args.max_tokens),
-                   "--first-prompt", str(args.first_prompt)] + (["--flowing", str(args.flowing)] if args.flowing else [])
-            cmd += ["--stop-at-eos"] if args.stop_at_eos else []
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(out.stderr[-4000:])
-            results += [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    specs = json.dumps([None, json.loads(args.speculative_config)])
+    for c in args.concurrency:  # a fresh process for each concurrency, both configurations in it
+        cmd = [sys.executable, __file__, "--worker", f"{specs}|{c}", "--max-tokens", str(args.max_tokens),
+               "--first-prompt", str(args.first_prompt), "--rounds", str(args.rounds)]
+        cmd += ["--flowing", str(args.flowing)] if args.flowing else []
+        cmd += ["--stop-at-eos"] if args.stop_at_eos else []
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(out.stderr[-4000:])
+        results += [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     print("| Config | c | Verified drafts | Steps | Forward | LM head | Verify | Drafter | Other | Total (ms) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
