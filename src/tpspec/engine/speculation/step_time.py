@@ -36,9 +36,9 @@ LEARNING_RATE = 0.3  # fraction of a step's prediction error corrected at once
 # A step's measured phase counts as at most this many times its prediction, and at least its
 # prediction divided by it: one stall (a garbage collection, a preempted thread) then moves the
 # curves no more than a step twice as slow as predicted does, while a curve that is really off
-# still gets there over a few steps. (Served at one stream, after one 135 ms drafter phase,
-# predicted at 2.5 ms, the stream proposed in 93 of its next 1,173 steps, its probes predicted at
-# 19-25 ms and measured at 11-13.)
+# still gets there over a few steps. (Served at one stream, after one 135 ms drafter phase, its
+# whole step predicted at 14 ms, the stream proposed in 93 of its next 1,173 steps, its first probes
+# predicted at 25 ms and measured at 11-13.)
 MAX_ERROR_RATIO = 2.0
 OVERHEAD_DECAY = 0.9
 
