@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -196,16 +197,20 @@ class ModelRunner:
 
     def _now(self) -> float:
         """The clock of the step's phase times and of the start-up profile (the controller's step-time
-        model learns from both). On a CPU at TP 1, this thread's CPU time: the runner shares its
-        process with the driver, and under ``tpspec serve`` with the server's thread, which takes
-        the GIL from it mid-step (a forced switch every few ms while requests stream); counted as
-        wall time, those waits landed in whichever phase was running, and served at one stream the
-        model learned a drafter feed of 4.2 ms where it costs 0.4 (offline: 0.55), and held
-        EAGLE-3 at k = 0. Elsewhere wall time: on a GPU after synchronizing, and at TP > 1, where
+        model learns from both). On a CPU at TP 1, when the engine runs on a thread of its own
+        (``AsyncEngine``: under ``tpspec serve``), this thread's CPU time: the caller's threads take
+        the GIL from it mid-step (a forced switch every few ms while requests stream), and counted
+        as wall time those waits landed in whichever phase was running; served at one stream the
+        model so learned a drafter feed of 4.2 ms where it costs 0.4 (offline: 0.55), and held
+        EAGLE-3 at k = 0. Elsewhere wall time: on the main thread (``LLM``, ``LLMEngine``: nothing
+        takes the GIL from it, and wall time also counts an OpenMP barrier's sleep; with the thread
+        clock offline EAGLE-3 held at k = 0 ran at 0.92x and 0.94x plain at 8 and 32 requests, 0.95x
+        and 1.00x with wall time, one run each), on a GPU after synchronizing, and at TP > 1, where
         waiting for the other ranks in a collective is part of a step."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elif self.device.type == "cpu" and get_tp_size() == 1:
+        elif (self.device.type == "cpu" and get_tp_size() == 1
+              and threading.current_thread() is not threading.main_thread()):
             return time.thread_time()
         return time.perf_counter()
 
