@@ -15,6 +15,12 @@ drift between runs, and whether its bits moved (a line says so).
   python3 benchmarks/bench_paged_attention.py --result-file benchmarks/results/paged_attention_avx2.json
   python3 benchmarks/bench_paged_attention.py --layers 30 --baseline-commit HEAD~1 [--baseline-float16]
 
+``--compare-wide`` also times the kernel alone on its 8-lane (AVX2) path against its 16-lane (AVX-512)
+one, alternating rounds, float16 caches (the CPU default), and checks that they give the same bits:
+what the AVX-512 path saves where the CPU has it.
+
+  python3 benchmarks/bench_paged_attention.py --layers 30 --seqs 1 32 --contexts 300 1000 --query-lens 1 4 --compare-wide
+
 ``--kv-float16`` also times the kernel alone on a float16 copy of the caches (their values rounded to
 float16 in both, so the outputs must have the same bits), alternating rounds with the float32 ones:
 what a float16 KV cache (``--kv-cache-dtype``, the CPU default) saves.
@@ -53,19 +59,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline-float16", action="store_true",
                    help="compare with the baseline on float16 caches (the CPU default) instead of float32 ones")
     p.add_argument("--kv-float16", action="store_true", help="also time the kernel on float16 caches of the same values")
+    p.add_argument("--compare-wide", action="store_true",
+                   help="also time the kernel's AVX2 path against its AVX-512 one (float16 caches)")
     p.add_argument("--result-file", default=None)
     return p.parse_args(argv)
 
 
+# {wide}: ", bool wide" where the baseline's kernel takes its path (since the AVX-512 one), else ""
 BASELINE_BINDING = """#include <torch/extension.h>
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }
+                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale{wide});
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def("paged_attention", &paged_attention); }}
 """
 
 
 def build_baseline(rev: str):
-    """The paged-attention kernel of commit ``rev``, built as a module of its own."""
+    """The paged-attention kernel of commit ``rev``, built as a module of its own, and whether it
+    takes a ``wide`` argument (its AVX-512 path)."""
     from torch.utils.cpp_extension import load
 
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
@@ -75,11 +85,14 @@ def build_baseline(rev: str):
                               capture_output=True, text=True, check=True).stdout
         with open(os.path.join(folder, name), "w") as f:
             f.write(text)
+    with open(os.path.join(folder, "decode_ops.cpp")) as f:
+        takes_wide = "double scale, bool wide" in f.read()
     with open(os.path.join(folder, "binding.cpp"), "w") as f:
-        f.write(BASELINE_BINDING)
+        f.write(BASELINE_BINDING.format(wide=", bool wide" if takes_wide else ""))
     sources = [os.path.join(folder, n) for n in ("decode_ops.cpp", "binding.cpp")]
-    return load(name="paged_attention_baseline", sources=sources, build_directory=folder, verbose=False,
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    module = load(name="paged_attention_baseline", sources=sources, build_directory=folder, verbose=False,
+                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return module, takes_wide
 
 
 def time_calls(call, layers: int, calls: int, repeats: int) -> float:
@@ -111,13 +124,18 @@ def main(argv=None) -> int:
     if reason:
         raise SystemExit(f"tpspec's CPU kernels are unavailable here: {reason}")
     module = cpu_kernels.kernels()
-    baseline = build_baseline(args.baseline_commit) if args.baseline_commit else None
+    baseline, baseline_wide = build_baseline(args.baseline_commit) if args.baseline_commit else (None, False)
+    wide = cpu_kernels.wide()
+    if args.compare_wide and not wide:
+        raise SystemExit("--compare-wide needs a CPU with AVX-512 and no ISA cap")
     attn = Attention(9, 3, 64, torch.arange(9) // 3)
     rows = []
     extra = " Kernel call (us) | Baseline call (us) | Baseline / kernel |" if baseline else ""
     extra += " Float32 cache (us) | Float16 cache (us) | Float32 / float16 |" if args.kv_float16 else ""
+    extra += " AVX2 path (us) | AVX-512 path (us) | AVX2 / AVX-512 |" if args.compare_wide else ""
     print(f"| Seqs | Context | New tokens a seq | Kernel (us) | PyTorch (us) | PyTorch / kernel | Max difference |{extra}")
-    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if baseline else "") + ("---|---|---|" if args.kv_float16 else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if baseline else "") + ("---|---|---|" if args.kv_float16 else "")
+          + ("---|---|---|" if args.compare_wide else ""))
     with torch.inference_mode():
         for seqs in args.seqs:
             for ctx in args.contexts:
@@ -142,9 +160,12 @@ def main(argv=None) -> int:
                             f"{torch_s / kernel_s:.2f} | {diff:.1e} |")
                     key_range = md.key_range(None)
 
-                    def kernel_call(mod, cs):  # the kernel alone on these caches
+                    def kernel_call(mod, cs, path=None):  # the kernel alone on these caches (path: its wide argument)
+                        if path is None:
+                            path = wide if mod is module else (False if baseline_wide else None)
+                        tail = () if path is None else (path,)
                         return lambda i: mod.paged_attention(q, *cs[i], md.context_slots, md.token_seq, key_range,
-                                                             attn.kv_head_of_head, attn.scale)
+                                                             attn.kv_head_of_head, attn.scale, *tail)
 
                     timing = (args.layers, args.calls, args.repeats)
                     if baseline:  # the two kernels, alternating rounds, on the same inputs
@@ -165,13 +186,21 @@ def main(argv=None) -> int:
                                                         *timing, rounds=3)
                         row.update(float32_cache_us=f32_us, float16_cache_us=f16_us)
                         line += f" {f32_us:.1f} | {f16_us:.1f} | {f32_us / f16_us:.2f} |"
+                    if args.compare_wide:  # the two paths, alternating rounds, on float16 caches
+                        half_caches = [(k.half(), v.half()) for k, v in caches]
+                        if not torch.equal(kernel_call(module, half_caches, False)(0), kernel_call(module, half_caches, True)(0)):
+                            raise SystemExit("the AVX-512 path gave other bits than the AVX2 one")
+                        narrow_us, wide_us = alternating_us(kernel_call(module, half_caches, False),
+                                                            kernel_call(module, half_caches, True), *timing, rounds=3)
+                        row.update(avx2_path_us=narrow_us, avx512_path_us=wide_us)
+                        line += f" {narrow_us:.1f} | {wide_us:.1f} | {narrow_us / wide_us:.2f} |"
                     rows.append(row)
                     print(line)
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({"machine": machine_info(), "layers": args.layers, "baseline_commit": args.baseline_commit,
                        "baseline_float16": args.baseline_float16,
-                       "kv_float16": args.kv_float16,
+                       "kv_float16": args.kv_float16, "compare_wide": args.compare_wide,
                        "rows": rows}, f, indent=1)
     return 0
 

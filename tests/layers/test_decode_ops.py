@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tpspec import cpu_features
 from tpspec.layers import cpu_kernels
 from tpspec.layers.activation import silu_and_mul
 from tpspec.layers.attention import Attention, AttentionMetadata
@@ -17,6 +18,12 @@ from tpspec.layers.rotary import RotaryEmbedding, apply_rope
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                 reason=f"no CPU kernels here: {cpu_kernels.unavailable()}")
+
+
+HAS_WIDE = all(f in cpu_features.cpu_model_and_isa()[1] for f in cpu_kernels.WIDE_ISA)
+# paged attention's paths: 8 lanes (AVX2) and 16 (AVX-512, where the CPU has it)
+WIDE_PATHS = [pytest.param(False, id="avx2"),
+              pytest.param(True, id="avx512", marks=pytest.mark.skipif(not HAS_WIDE, reason="no AVX-512 here"))]
 
 
 def _count_calls(monkeypatch, op: str) -> list:
@@ -135,7 +142,8 @@ def _reference(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale)
 @pytest.mark.parametrize("kv_head", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 0], [0, 0]])  # GQA; uneven; d = 8
 @pytest.mark.parametrize("length", [1, 7, 8, 33, 300])
 @pytest.mark.parametrize("queries", [1, 4])
-def test_paged_attention_equals_a_gathered_softmax_over_scattered_slots(kv_head, length, queries):
+@pytest.mark.parametrize("wide", WIDE_PATHS)
+def test_paged_attention_equals_a_gathered_softmax_over_scattered_slots(kv_head, length, queries, wide):
     """Causal queries (the last ``queries`` positions) of one sequence, its keys anywhere in the cache;
     head sizes off the kernel's 64-column block (24) and its 8-key block (lengths 1, 7, 33)."""
     heads, kv_heads, d = len(kv_head), max(kv_head) + 1, {9: 64, 7: 24, 2: 8}[len(kv_head)]
@@ -147,12 +155,13 @@ def test_paged_attention_equals_a_gathered_softmax_over_scattered_slots(kv_head,
     token_seq = torch.zeros(queries, dtype=torch.int64)
     key_range = torch.tensor([[0, length - queries + 1 + i] for i in range(queries)])
     kv_head = torch.tensor(kv_head)
-    out = cpu_kernels.kernels().paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, d**-0.5)
+    out = cpu_kernels.kernels().paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, d**-0.5, wide)
     ref = _reference(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, d**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_reads_only_each_querys_key_range():
+@pytest.mark.parametrize("wide", WIDE_PATHS)
+def test_paged_attention_reads_only_each_querys_key_range(wide):
     """Several sequences' queries, padded slot rows, windows and empty ranges: keys outside a query's
     range are never read (NaN there would show), an empty range gives zeros."""
     g = torch.Generator().manual_seed(0)
@@ -168,14 +177,16 @@ def test_paged_attention_reads_only_each_querys_key_range():
     poisoned_k[0], poisoned_v[0] = float("nan"), float("nan")
     q = torch.randn(6, 4, 16, generator=g)
     kv_head = torch.tensor([0, 0, 1, 1])
-    out = cpu_kernels.kernels().paged_attention(q, poisoned_k, poisoned_v, poisoned, token_seq, key_range, kv_head, 0.25)
+    out = cpu_kernels.kernels().paged_attention(q, poisoned_k, poisoned_v, poisoned, token_seq, key_range, kv_head, 0.25,
+                                                wide)
     ref = _reference(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[5], torch.zeros(64))
 
 
 @pytest.mark.parametrize("window", [None, 13, 42])
-def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(window):
+@pytest.mark.parametrize("wide", WIDE_PATHS)
+def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(window, wide):
     """A query's output depends on its own q, key range and keys only: alone, inside one sequence's run
     of up to 7 queries (a verification, a prefill chunk: the kernel scores a run's queries together,
     each key loaded once for all of them) or beside other sequences, its bits are the same (a max or
@@ -198,7 +209,8 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(wind
             qs = torch.cat([q[:1] * 0.5, qs])
             ranges = torch.cat([torch.tensor([[0, 40]]), ranges])
             seqs = torch.cat([torch.tensor([1]), seqs])
-        out = cpu_kernels.kernels().paged_attention(qs.contiguous(), k_cache, v_cache, slots, seqs, ranges, kv_head, 0.125)
+        out = cpu_kernels.kernels().paged_attention(qs.contiguous(), k_cache, v_cache, slots, seqs, ranges, kv_head, 0.125,
+                                                    wide)
         return out[int(other_sequence):]
 
     together = run(list(range(7)), False)
@@ -217,7 +229,8 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_and_among_others(wind
 
 
 @pytest.mark.parametrize("queries,window", [(1, None), (4, None), (4, 42), (40, None)])  # decode, verification, chunk
-def test_a_float16_cache_gives_the_bits_of_a_float32_cache_holding_its_values(queries, window):
+@pytest.mark.parametrize("wide", WIDE_PATHS)
+def test_a_float16_cache_gives_the_bits_of_a_float32_cache_holding_its_values(queries, window, wide):
     """The kernel widens a float16 cache's values exactly as it reads them (keys and values, the
     output loop's 64-column blocks and its 8-column rest: d = 72): its output has the bits of the
     same call on a float32 cache holding the same (float16-rounded) values, for two sequences'
@@ -232,13 +245,13 @@ def test_a_float16_cache_gives_the_bits_of_a_float32_cache_holding_its_values(qu
     ends = [length - queries + 1 + i for i in range(queries)] * 2
     key_range = torch.tensor([[0 if window is None else max(0, e - window), e] for e in ends])
     kernels = cpu_kernels.kernels()
-    out16 = kernels.paged_attention(q, k16, v16, slots, token_seq, key_range, kv_head, 0.125)
-    out32 = kernels.paged_attention(q, k16.float(), v16.float(), slots, token_seq, key_range, kv_head, 0.125)
+    out16 = kernels.paged_attention(q, k16, v16, slots, token_seq, key_range, kv_head, 0.125, wide)
+    out32 = kernels.paged_attention(q, k16.float(), v16.float(), slots, token_seq, key_range, kv_head, 0.125, wide)
     assert torch.equal(out16, out32)
     ref = _reference(q, k16.float(), v16.float(), slots, token_seq, key_range, kv_head, 0.125)
     torch.testing.assert_close(out16, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="both the same"):  # a float16 K beside a float32 V
-        kernels.paged_attention(q, k16, v16.float(), slots, token_seq, key_range, kv_head, 0.125)
+        kernels.paged_attention(q, k16, v16.float(), slots, token_seq, key_range, kv_head, 0.125, wide)
 
 
 def test_paged_attention_takes_a_long_chunk_in_groups_with_the_same_bits():
@@ -254,13 +267,37 @@ def test_paged_attention_takes_a_long_chunk_in_groups_with_the_same_bits():
     key_range = torch.tensor([[0, length - queries + 1 + i] for i in range(queries)])
     token_seq = torch.zeros(queries, dtype=torch.int64)
     kernels = cpu_kernels.kernels()
-    out = kernels.paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.125)
+    out = kernels.paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.125, False)
     for t in (0, 63, 64, 127):  # in the first group and in the last
         alone = kernels.paged_attention(q[t : t + 1].contiguous(), k_cache, v_cache, slots, token_seq[:1],
-                                        key_range[t : t + 1], kv_head, 0.125)
+                                        key_range[t : t + 1], kv_head, 0.125, False)
         assert torch.equal(alone[0], out[t]), t
         ref = _reference(q[t : t + 1], k_cache, v_cache, slots, token_seq[:1], key_range[t : t + 1], kv_head, 0.125)
         torch.testing.assert_close(out[t : t + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_WIDE, reason="no AVX-512 here")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 72, 128])  # one 64-column block; with an 8-column rest; two blocks
+def test_the_avx512_path_gives_the_avx2_paths_bits(cache_dtype, d):
+    """The output loops on 16 lanes take the same multiply-adds as on 8, in the same key order (a
+    column's sum is its own lane's): decodes of three sequences, a 7-query verification with a window
+    (its queries' outputs paired), a 40-query chunk, over spans, tiles and 8-key blocks cut anywhere."""
+    g = torch.Generator().manual_seed(d)
+    length = 300
+    k_cache, v_cache = torch.randn(2, 1000, 3, d, generator=g).to(cache_dtype)
+    slots = torch.randperm(1000, generator=g)[: 3 * length].view(3, length)
+    kv_head = torch.arange(9) // 3
+    ends = [257, 300, 131] + list(range(294, 301)) + list(range(101, 141))
+    token_seq = torch.tensor([0, 1, 2] + [1] * 7 + [2] * 40)
+    key_range = torch.tensor([[0, e] for e in ends[:3]] + [[max(0, e - 42), e] for e in ends[3:10]] + [[0, e] for e in ends[10:]])
+    q = torch.randn(len(ends), 9, d, generator=g)
+    kernels = cpu_kernels.kernels()
+    narrow = kernels.paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.125, False)
+    wide = kernels.paged_attention(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, 0.125, True)
+    assert torch.equal(wide, narrow)
+    ref = _reference(q, k_cache.float(), v_cache.float(), slots, token_seq, key_range, kv_head, 0.125)
+    torch.testing.assert_close(wide, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("slots,token_seq,key_range,message", [
@@ -273,7 +310,7 @@ def test_paged_attention_refuses_indices_outside_its_inputs(slots, token_seq, ke
     k_cache = torch.zeros(8, 1, 8)
     with pytest.raises(RuntimeError, match=message):
         cpu_kernels.kernels().paged_attention(torch.zeros(1, 1, 8), k_cache, k_cache, torch.tensor(slots),
-                                              torch.tensor(token_seq), torch.tensor(key_range), torch.tensor([0]), 1.0)
+                                              torch.tensor(token_seq), torch.tensor(key_range), torch.tensor([0]), 1.0, False)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])

@@ -404,7 +404,8 @@ class Attention(nn.Module):
             v_cache.index_copy_(0, md.slot_mapping, v.to(cache))
         if kernels is not None:  # the cache read in place (a float16 one widened as read), no gather
             out = kernels.paged_attention(q.contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
-                                          md.key_range(self.sliding_window), self.kv_head_of_head, self.scale)
+                                          md.key_range(self.sliding_window), self.kv_head_of_head, self.scale,
+                                          cpu_kernels.wide())
             return out.to(k.dtype)
         # [seqs, kv_heads, ctx, d]; kv_heads = num_heads if groups are uneven (K/V per query head)
         if md.contiguous_slots is not None and self.uniform_groups and not torch.compiler.is_compiling():

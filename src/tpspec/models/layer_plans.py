@@ -78,6 +78,7 @@ class AttentionPlan:
         self.heads, self.kv_heads, self.d = p.num_local_heads, p.num_local_kv_heads, p.head_dim
         self.q_size, self.qk_width = p.q_size, p.q_size + p.kv_size
         self.window, self.kv_head_of_head, self.scale = a.sliding_window, a.kv_head_of_head, a.scale
+        self.wide = cpu_kernels.wide()  # attention's 16-lane path (the same bits)
         # (shape, weight, eps) of F.rms_norm over each head, as the norm modules compute a 3-D input
         self.head_norms = None if attention.q_norm is None else tuple(
             ((self.d,), n.weight, n.eps) for n in (attention.q_norm, attention.k_norm))
@@ -110,7 +111,7 @@ class AttentionPlan:
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, qkv[:, self.qk_width :].view(rows, self.kv_heads, self.d), k_cache, v_cache, md.slot_mapping)
         out = kernels.paged_attention(q.contiguous(), k_cache, v_cache, md.context_slots, md.token_seq,
-                                      md.key_range(self.window), self.kv_head_of_head, self.scale)
+                                      md.key_range(self.window), self.kv_head_of_head, self.scale, self.wide)
         return self.o(out)
 
 

@@ -15,7 +15,7 @@ torch::Tensor q8_0_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Te
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale);
+                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale, bool wide);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);

@@ -167,9 +167,73 @@ static constexpr int64_t PARTS_CAP = int64_t{1} << 22;  // floats of span partia
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// ---- AVX-512 (`wide`, cpu_kernels.wide()): the output loops below on 16 lanes, the same bits ------
+// A column's sum takes the same fused multiply-adds in the same key order on 16 lanes as on 8
+// (columns are independent): on a Zen 5 decodes 1.05-1.13x faster (1-32 sequences, 300 and 1,000
+// keys, float16 caches, cold; benchmarks/bench_paged_attention.py --compare-wide), 4-query
+// verifications 1.02-1.06x. Scores on 16 lanes (two keys a register, one a half, the same bits) were
+// 2-4 % slower at 4 queries and are not used.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// o[0 .. whole) += Σ over keys u in [u0, u1), in order, of pu[u]·v_u (v_u = vp + ss[u]·row + off), whole a multiple of 64.
+template <typename KV>
+__attribute__((noinline)) static void tile_output_wide(float* o, const float* pu, int64_t u0, int64_t u1, const KV* vp,
+                                                      const int64_t* ss, int64_t row, int64_t off, int64_t whole) {
+  for (int64_t i = 0; i < whole; i += 64) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t u = u0; u < u1; ++u) {
+      const KV* vt = vp + ss[u] * row + off + i;
+      const __m512 wt = _mm512_set1_ps(pu[u]);
+      c0 = _mm512_fmadd_ps(wt, load16(vt), c0);
+      c1 = _mm512_fmadd_ps(wt, load16(vt + 16), c1);
+      c2 = _mm512_fmadd_ps(wt, load16(vt + 32), c2);
+      c3 = _mm512_fmadd_ps(wt, load16(vt + 48), c3);
+    }
+    float* oi = o + i;
+    _mm512_storeu_ps(oi, _mm512_add_ps(_mm512_loadu_ps(oi), c0));
+    _mm512_storeu_ps(oi + 16, _mm512_add_ps(_mm512_loadu_ps(oi + 16), c1));
+    _mm512_storeu_ps(oi + 32, _mm512_add_ps(_mm512_loadu_ps(oi + 32), c2));
+    _mm512_storeu_ps(oi + 48, _mm512_add_ps(_mm512_loadu_ps(oi + 48), c3));
+  }
+}
+
+// Two query vectors' tile at once (each value chunk loaded and widened once for both): o[s][0 .. whole)
+// += Σ over u in [u0[s], u1[s]) of pu[s][u]·v_u, over the keys of either in order.
+template <typename KV>
+__attribute__((noinline)) static void tile_output_pair_wide(float* const* o, const float* const* pu, const int64_t* u0,
+                                                           const int64_t* u1, const KV* vp, const int64_t* ss, int64_t row,
+                                                           int64_t off, int64_t whole) {
+  for (int64_t i = 0; i < whole; i += 32) {
+    __m512 c[2][2];
+    for (int s = 0; s < 2; ++s) c[s][0] = c[s][1] = _mm512_setzero_ps();
+    for (int64_t u = std::min(u0[0], u0[1]); u < std::max(u1[0], u1[1]); ++u) {
+      const KV* vt = vp + ss[u] * row + off + i;
+      const __m512 v[2] = {load16(vt), load16(vt + 16)};
+      for (int s = 0; s < 2; ++s) {
+        if (u < u0[s] || u >= u1[s]) continue;
+        const __m512 w = _mm512_set1_ps(pu[s][u]);
+        c[s][0] = _mm512_fmadd_ps(w, v[0], c[s][0]);
+        c[s][1] = _mm512_fmadd_ps(w, v[1], c[s][1]);
+      }
+    }
+    for (int s = 0; s < 2; ++s) {
+      float* oi = o[s] + i;
+      _mm512_storeu_ps(oi, _mm512_add_ps(_mm512_loadu_ps(oi), c[s][0]));
+      _mm512_storeu_ps(oi + 16, _mm512_add_ps(_mm512_loadu_ps(oi + 16), c[s][1]));
+    }
+  }
+}
+
+#pragma GCC pop_options
+
 template <typename KV>  // the caches' element: float (float32) or uint16_t (float16's bits)
 static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
-                                       at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
+                                       at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale,
+                                       bool wide) {
   const int64_t T = q.size(0), H = q.size(1), d = q.size(2), N = k_cache.size(0), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && d % 8 == 0, "the caches' head size must be q's, a multiple of 8");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: contiguous int64 [S, L]");
@@ -411,6 +475,11 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
               std::tie(u0[s], u1[s]) = keys_of(pair[s]);
               pu[s] = probs_of(pair[s]);
             }
+            if (wide) {
+              float* const po[2] = {part_of[pair[0]], part_of[pair[1]]};
+              tile_output_pair_wide<KV>(po, pu, u0, u1, vp, ss, row, off, whole);
+              continue;
+            }
             for (int64_t i = 0; i < whole; i += 32) {
               __m256 c[2][4];
               for (int s = 0; s < 2; ++s)
@@ -435,6 +504,10 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
             const auto [u0, u1] = keys_of(m);
             float* o = part_of[m];
             const float* pu = probs_of(m);
+            if (wide) {
+              tile_output_wide<KV>(o, pu, u0, u1, vp, ss, row, off, whole);
+              continue;
+            }
             for (int64_t i = 0; i < whole; i += 64) {
               __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
               for (int64_t u = u0; u < u1; ++u) {
@@ -508,15 +581,16 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   return out;
 }
 
+// wide: the output loops on 16 lanes (AVX-512: the caller checks the CPU has it), the same bits.
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
-                              at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale) {
+                              at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale, bool wide) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [T, H, d]");
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && (dtype == at::kFloat || dtype == at::kHalf)
               && v_cache.scalar_type() == dtype && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache, v_cache: contiguous float32 or float16 [slots, KVH, d], both the same");
-  return dtype == at::kFloat ? paged_attention_impl<float>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale)
-                             : paged_attention_impl<uint16_t>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale);
+  return dtype == at::kFloat ? paged_attention_impl<float>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale, wide)
+                             : paged_attention_impl<uint16_t>(q, k_cache, v_cache, slots, token_seq, key_range, kv_head, scale, wide);
 }
 
 // The step's new keys and values into their slots of the paged cache (layers.attention), one call
