@@ -116,7 +116,10 @@ def main() -> None:
     if args.attention_baseline_commit:
         from bench_paged_attention import build_baseline
 
-        baseline = build_baseline(args.attention_baseline_commit)
+        baseline, baseline_wide = build_baseline(args.attention_baseline_commit)
+        if not baseline_wide:  # a kernel from before its AVX-512 path: called without the path argument
+            old_kernel = baseline.paged_attention
+            baseline = types.SimpleNamespace(paged_attention=lambda *args: old_kernel(*args[:8]))
     engine = LLMEngine.from_args(model=args.model, max_num_seqs=64)
     results = []
     other = ("a float32 KV cache" if args.kv_float32 else "PyTorch's KV writes" if args.kv_write_pytorch

@@ -167,17 +167,74 @@ static constexpr int64_t PARTS_CAP = int64_t{1} << 22;  // floats of span partia
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// ---- AVX-512 (`wide`, cpu_kernels.wide()): the output loops below on 16 lanes, the same bits ------
-// A column's sum takes the same fused multiply-adds in the same key order on 16 lanes as on 8
-// (columns are independent): on a Zen 5 decodes 1.05-1.13x faster (1-32 sequences, 300 and 1,000
-// keys, float16 caches, cold; benchmarks/bench_paged_attention.py --compare-wide), 4-query
-// verifications 1.02-1.06x. Scores on 16 lanes (two keys a register, one a half, the same bits) were
-// 2-4 % slower at 4 queries and are not used.
+// ---- AVX-512 (`wide`, cpu_kernels.wide()): the loops below on 16 lanes, the same bits --------------
+// A column's output sum takes the same fused multiply-adds in the same key order on 16 lanes as on 8
+// (columns are independent); a run of several queries' scores hold two keys a register (one a
+// half), each lane the same sum in the same order as on 8, each key chunk widened once for all the
+// run's query vectors. On a Zen 5 (1-32 sequences, 300 and 1,000 keys, float16 caches, cold;
+// benchmarks/bench_paged_attention.py --compare-wide): decodes 1.07-1.10x faster, one sequence's
+// 4-query verification 1.10-1.13x, 8-32 sequences' 1.02-1.04x. With decodes' few query vectors
+// scored on 16 lanes too, decodes of 8-32 sequences ran at 0.96-0.98x the 8-lane path: they stay on 8.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+static inline __m512 load2x8(const float* a, const float* b) {  // a's 8 values in the low half, b's in the high
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+static inline __m512 load2x8(const uint16_t* a, const uint16_t* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+// NC chunks of 8 columns from column i0 on: the 8 keys' values loaded (and widened) once, two keys a
+// register (one a half), then multiplied into every active query vector's running sums w[m][0..3].
+template <int NC, typename KV>
+static inline void score_chunks_wide(int64_t M, const float* const* qh, const bool* active, const KV* const* kt, int64_t i0,
+                                     __m512 (*w)[4]) {
+  __m512 kv[4][NC];
+  for (int e = 0; e < 4; ++e)
+    for (int c = 0; c < NC; ++c) kv[e][c] = load2x8(kt[2 * e] + i0 + 8 * c, kt[2 * e + 1] + i0 + 8 * c);
+  for (int64_t m = 0; m < M; ++m) {
+    if (!active[m]) continue;
+    __m512 s0 = w[m][0], s1 = w[m][1], s2 = w[m][2], s3 = w[m][3];
+    for (int c = 0; c < NC; ++c) {
+      const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qh[m] + i0 + 8 * c));
+      s0 = _mm512_fmadd_ps(kv[0][c], qv, s0);
+      s1 = _mm512_fmadd_ps(kv[1][c], qv, s1);
+      s2 = _mm512_fmadd_ps(kv[2][c], qv, s2);
+      s3 = _mm512_fmadd_ps(kv[3][c], qv, s3);
+    }
+    w[m][0] = s0, w[m][1] = s1, w[m][2] = s2, w[m][3] = s3;
+  }
+}
+
+// The scores' lanes of the 8 keys kt[0..7] for each query vector m < M with active[m], as the 8-lane
+// loop leaves them: a[m][e] lane l = Σ over chunks c, in order, of kt[e][8c + l]·qh[m][8c + l]. Each
+// key chunk is loaded and widened once for all the vectors (the 8-lane loop widens it once per vector).
+template <typename KV>
+__attribute__((noinline)) static void block_scores_wide(int64_t M, const float* const* qh, const bool* active,
+                                                       const KV* const* kt, int64_t d, __m256 (*a)[8]) {
+  __m512 w[MAX_VECS][4];
+  for (int64_t m = 0; m < M; ++m)
+    for (int e = 0; e < 4; ++e) w[m][e] = _mm512_setzero_ps();
+  int64_t i0 = 0;
+  for (; i0 + 32 <= d; i0 += 32) score_chunks_wide<4>(M, qh, active, kt, i0, w);
+  switch ((d - i0) / 8) {
+    case 3: score_chunks_wide<3>(M, qh, active, kt, i0, w); break;
+    case 2: score_chunks_wide<2>(M, qh, active, kt, i0, w); break;
+    case 1: score_chunks_wide<1>(M, qh, active, kt, i0, w); break;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    if (!active[m]) continue;
+    for (int e = 0; e < 4; ++e) {
+      a[m][2 * e] = _mm512_castps512_ps256(w[m][e]);
+      a[m][2 * e + 1] = _mm512_extractf32x8_ps(w[m][e], 1);
+    }
+  }
+}
 
 // o[0 .. whole) += Σ over keys u in [u0, u1), in order, of pu[u]·v_u (v_u = vp + ss[u]·row + off), whole a multiple of 64.
 template <typename KV>
@@ -394,6 +451,10 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         // loaded from memory once per work item.
         __m256 mx8[MAX_VECS];
         for (int64_t m = 0; m < M; ++m) mx8[m] = _mm256_set1_ps(neg_inf);
+        // A run of several queries (a verification, a prefill chunk) scores on 16 lanes, each key chunk
+        // widened once for its query vectors; a decode's few vectors on 8 (slower on 16, above).
+        const bool wide_scores = wide && t1 - t0 > 1;
+        __m256 wa[MAX_VECS][8];  // its score lanes (block_scores_wide)
         for (int64_t blk = base; blk < top; ++blk) {
           const int64_t u = blk * 8;
           const KV* kt[8];
@@ -407,13 +468,19 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
               _mm_prefetch(reinterpret_cast<const char*>(vp + here + i), _MM_HINT_T1);
             }
           }
+          bool active[MAX_VECS];
+          for (int64_t m = 0; m < M; ++m) active[m] = blk >= blo[m] && blk < bhi[m] && hi[m] != lo[m];
+          if (wide_scores) block_scores_wide<KV>(M, qh, active, kt, d, wa);
           for (int64_t m = 0; m < M; ++m) {
-            if (blk < blo[m] || blk >= bhi[m] || hi[m] == lo[m]) continue;
-            __m256 a[8];
-            for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) {
-              const __m256 qv = _mm256_loadu_ps(qh[m] + i);
-              for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(load8(kt[e] + i), qv, a[e]);
+            if (!active[m]) continue;
+            __m256 own[8];
+            __m256* a = wide_scores ? wa[m] : own;
+            if (!wide_scores) {
+              for (int e = 0; e < 8; ++e) a[e] = _mm256_setzero_ps();
+              for (int64_t i = 0; i < d; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh[m] + i);
+                for (int e = 0; e < 8; ++e) a[e] = _mm256_fmadd_ps(load8(kt[e] + i), qv, a[e]);
+              }
             }
             const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
             const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
