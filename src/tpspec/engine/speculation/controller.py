@@ -65,8 +65,11 @@ RESUME_STEPS = 4
 # A plan that gave no request a draft is kept while the step's requests stay as they were and no
 # verification has been observed, for up to this many steps, then made again: re-planning each
 # step cost a held batch about 0.4 ms (of a 22 ms step at 8 requests on a Zen 4, as much as the
-# rest of its k = 0 path), and a request held at k = 0 must cost what plain decoding costs.
-HOLD_STEPS = 4
+# rest of its k = 0 path), and a request held at k = 0 must cost what plain decoding costs. A
+# probe's verification (every PROBE_INTERVAL steps) ends a hold anyway: with 4, a held batch of 8
+# on a Zen 5 still re-planned in a third of its steps (0.27 ms a plan, cold after the forward:
+# 0.09 ms a step of 7.7), with 16 in a sixth (0.04 ms).
+HOLD_STEPS = 16
 
 
 @dataclass
