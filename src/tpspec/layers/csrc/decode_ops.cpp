@@ -267,7 +267,9 @@ __attribute__((noinline)) static void tile_output_pair_wide(float* const* o, con
   for (int64_t i = 0; i < whole; i += 32) {
     __m512 c[2][2];
     for (int s = 0; s < 2; ++s) c[s][0] = c[s][1] = _mm512_setzero_ps();
-    for (int64_t u = std::min(u0[0], u0[1]); u < std::max(u1[0], u1[1]); ++u) {
+    // (no std::min/std::max here: a template instantiated under this target could be shared with the AVX2 code)
+    const int64_t first = u0[0] < u0[1] ? u0[0] : u0[1], end = u1[0] > u1[1] ? u1[0] : u1[1];
+    for (int64_t u = first; u < end; ++u) {
       const KV* vt = vp + ss[u] * row + off + i;
       const __m512 v[2] = {load16(vt), load16(vt + 16)};
       for (int s = 0; s < 2; ++s) {
@@ -648,7 +650,8 @@ static at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   return out;
 }
 
-// wide: the output loops on 16 lanes (AVX-512: the caller checks the CPU has it), the same bits.
+// wide: the output loops, and a run of several queries' scores, on 16 lanes (AVX-512: the caller
+// checks the CPU has it), the same bits.
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots,
                               at::Tensor token_seq, at::Tensor key_range, at::Tensor kv_head, double scale, bool wide) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [T, H, d]");
