@@ -105,6 +105,36 @@ def test_q4_1_weights_keep_tp_and_speculative_invariants(q4_1_llama, tiny_dflash
     _assert_tp_and_speculative_invariants(q4_1_llama, "q4_1", tiny_dflash)
 
 
+@needs_q4_1_kernel
+@pytest.mark.parametrize("rows", [1, 8, 9, 32])
+def test_w4a16_fp16_is_w4a16_up_to_8_rows_and_the_float16_copy_past_them(rows):
+    """``w4a16-fp16`` (``auto`` on AVX2-only CPUs): an exactly-Q4_1 weight's products of up to
+    QUANTIZED_MAX_ROWS rows have ``w4a16``'s bits, of more the float16 copy's (``fp16``), through the
+    layer's plan as through ``linear``."""
+    from tpspec.layers.cpu_weights import QUANTIZED_MAX_ROWS, linear, packed_weight_of
+    from tpspec.models.layer_plans import LinearPlan
+
+    g = torch.Generator().manual_seed(rows)
+    weights = {fmt: exactly_q4_1(torch.empty(96, 128), g) for fmt in ("w4a16-fp16", "w4a16", "fp16")}
+    weights["w4a16"].copy_(weights["w4a16-fp16"])
+    weights["fp16"].copy_(weights["w4a16-fp16"])
+    packed = {fmt: packed_weight_of(w, fmt) for fmt, w in weights.items()}
+    assert packed["w4a16-fp16"].format == "q4_1_int8_fp16"
+    x = torch.randn(rows, 128, generator=g)
+    out = linear(x, weights["w4a16-fp16"], None, packed["w4a16-fp16"])
+    same_as = "w4a16" if rows <= QUANTIZED_MAX_ROWS else "fp16"
+    assert torch.equal(out, linear(x, weights[same_as], None, packed[same_as]))
+    layer = torch.nn.Linear(128, 96, bias=False)
+    layer.weight.data = weights["w4a16-fp16"]
+    layer.packed_weight = lambda: packed_weight_of(layer.weight, "w4a16-fp16")
+    assert torch.equal(LinearPlan(layer, reduce=False)(x), out)
+
+
+@needs_q4_1_kernel
+def test_w4a16_fp16_keeps_tp_and_speculative_invariants(tiny_gguf_llama, gguf_dflash):
+    _assert_tp_and_speculative_invariants(tiny_gguf_llama, "w4a16-fp16", gguf_dflash)
+
+
 @pytest.fixture(scope="module")
 def gguf_dflash(tiny_gguf_llama, tmp_path_factory) -> str:
     return write_tiny_dflash(str(tmp_path_factory.mktemp("tiny-dflash-gguf")), tiny_gguf_llama)
@@ -131,7 +161,7 @@ def test_integer_kernels_keep_tp_and_speculative_invariants(tiny_gguf_llama, ggu
 
 
 def test_bad_quantization_options_are_refused(tiny_llama):
-    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16', 'q4_1', 'w4a8', 'w4a16'\), got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('auto', 'none', 'fp16', 'q4_1', 'w4a8', 'w4a16', 'w4a16-fp16'\), got 'int3'"):
         LLM(tiny_llama, quantization="int3", **ENGINE)
     with pytest.raises(ValueError, match="quantization='fp16' stores a float32 model's weights in float16"):
         LLM(tiny_llama, quantization="fp16", dtype="bfloat16", **ENGINE)
@@ -143,12 +173,12 @@ def test_bad_quantization_options_are_refused(tiny_llama):
         LLM(tiny_llama, batch_invariant=True, torch_compile=True, **ENGINE)
 
 
-def test_auto_is_w4a16_with_vnni_q4_1_on_avx2_else_fp16_only_for_float32_on_cpu(monkeypatch):
+def test_auto_is_w4a16_with_vnni_w4a16_fp16_on_avx2_else_fp16_only_for_float32_on_cpu(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: None)
     monkeypatch.setattr(int8_dot, "isa", lambda: "avx512_vnni")
     assert resolve_quantization("auto", "float32", "cpu") == "w4a16"
     monkeypatch.setattr(int8_dot, "isa", lambda: "avx2")
-    assert resolve_quantization("auto", "float32", "cpu") == "q4_1"
+    assert resolve_quantization("auto", "float32", "cpu") == "w4a16-fp16"
     assert resolve_quantization("auto", "float32", "cpu", batch_invariant=True) == "w4a16"
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "the CPU lacks avx2")
     assert resolve_quantization("auto", "float32", "cpu") == "fp16"

@@ -34,7 +34,7 @@ def ours():
         assert llm.llm_engine.config.dtype == "float32"
         assert llm.llm_engine.config.quantization == (
             None if not has_fbgemm() else "fp16" if cpu_kernels.unavailable()
-            else "w4a16" if int8_dot.isa() == "avx512_vnni" else "q4_1")
+            else "w4a16" if int8_dot.isa() == "avx512_vnni" else "w4a16-fp16")
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         outputs += llm.chat(CHAT, params, use_tqdm=False)

@@ -21,10 +21,11 @@ SAMPLING_MODES = ("gathered", "vocab-parallel")
 # multiplied in float32 by tpspec's kernel (CPU with AVX2; layers.q4_1), the others as "fp16". "w4a8"
 # and "w4a16": those weights (and the exactly-Q8_0 ones: the default model's LM head) multiplied by
 # activations rounded to 8 or 15 bits, in integer multiply-adds (layers.int8_dot), the others as
-# "fp16". Under these three a shipped drafter's own weights are rounded to Q4_1 first (its drafts
-# are verified: lossless either way).
-QUANTIZATION_METHODS = ("fp16", "q4_1", "w4a8", "w4a16")
-GGUF_KERNEL_METHODS = ("q4_1", "w4a8", "w4a16")  # those that run exactly-Q4_1 weights through tpspec's kernels
+# "fp16". "w4a16-fp16": w4a16's products up to 8 rows, a float16 copy's past them (as "q4_1" does
+# with its own kernel). Under these four a shipped drafter's own weights are rounded to Q4_1 first
+# (its drafts are verified: lossless either way).
+QUANTIZATION_METHODS = ("fp16", "q4_1", "w4a8", "w4a16", "w4a16-fp16")
+GGUF_KERNEL_METHODS = ("q4_1", "w4a8", "w4a16", "w4a16-fp16")  # those that run exactly-Q4_1 weights through tpspec's kernels
 INTEGER_METHODS = ("w4a16", "w4a8")  # those whose products are batch-invariant (every row count, one kernel)
 QUANTIZATION_OPTIONS = ("auto", "none", *QUANTIZATION_METHODS)  # "auto": resolve_quantization picks
 

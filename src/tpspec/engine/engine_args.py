@@ -113,8 +113,9 @@ class EngineArgs:
         "model's layers) kept 4-bit, the rest as fp16 (CPU with AVX2; compiles a kernel on first use): fastest for "
         "one or a few sequences; w4a16 / w4a8 = those weights and exactly-Q8_0 ones times activations rounded to 15 / "
         "8 bits in integer multiply-adds, every row count: batch-invariant (w4a8: llama.cpp's numerics, less "
-        "accurate); auto = (float32 on CPU) w4a16 with AVX-512 VNNI (or --batch-invariant), q4_1 with AVX2 only, "
-        "fp16 where the kernels do not build; none = off",
+        "accurate); w4a16-fp16 = w4a16 up to 8 rows, the float16 copy past them (faster than w4a16 for many "
+        "sequences on AVX2-only CPUs; not batch-invariant); auto = (float32 on CPU) w4a16 with AVX-512 VNNI (or "
+        "--batch-invariant), w4a16-fp16 with AVX2 only, fp16 where the kernels do not build; none = off",
         str, QUANTIZATION_OPTIONS)
     batch_invariant: bool = _option(
         _config_default(EngineConfig, "batch_invariant"), "refuse to start unless a request's tokens and logprobs "

@@ -47,14 +47,19 @@ CPU_FLOAT16_MAX_ROWS = 4
 # float16 GEMM (benchmarks/README.md, Q4_1 weights).
 QUANTIZED_MAX_ROWS = 8
 # What each --quantization packs an exactly-Q4_1 weight, an exactly-Q8_0 one and any other in (the
-# integer kernels of "w4a8" and "w4a16" take every row count: no float16 copy).
+# integer kernels of "w4a8" and "w4a16" take every row count: no float16 copy; "w4a16-fp16" takes
+# w4a16's up to QUANTIZED_MAX_ROWS rows and a float16 copy past them, as "q4_1" does with its own).
 EXACT_FORMATS = {
     "q4_1": (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact)),
-    **{method: (("q4_1_int8", functools.partial(int8_dot.quantize_exact_q4_1, activation_bits=bits)),
-                ("q8_0_int8", functools.partial(int8_dot.quantize_exact_q8_0, activation_bits=bits)))
-       for method, bits in (("w4a8", 8), ("w4a16", 15))},
+    **{method: ((f"q4_1_int8{tail}", functools.partial(int8_dot.quantize_exact_q4_1, activation_bits=bits)),
+                (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q8_0, activation_bits=bits)))
+       for method, bits, tail in (("w4a8", 8, ""), ("w4a16", 15, ""), ("w4a16-fp16", 15, "_fp16"))},
 }
 INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)
+# Formats packed with a float16 copy that takes the products of more than QUANTIZED_MAX_ROWS rows:
+# data = (the kernel's weight, fbgemm's float16 one)
+INTEGER_WITH_FLOAT16_COPY = ("q4_1_int8_fp16", "q8_0_int8_fp16")  # "w4a16-fp16"'s
+WITH_FLOAT16_COPY = ("q4_1", "q8_0", *INTEGER_WITH_FLOAT16_COPY)
 
 
 def _row_bucket(rows: int) -> int:
@@ -80,12 +85,14 @@ def _fbgemm_float16_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -
 class PackedWeight:
     # "onednn" (float32, reordered), "fp16" (fbgemm, float16 weights: a float16 model's own, or a
     # float32 model's with quantization="fp16"), "q4_1" or "q8_0" (a float32 weight that is exactly
-    # Q4_1 or Q8_0, with quantization="q4_1"), "q4_1_int8" or "q8_0_int8" (likewise, with "w4a8" or "w4a16")
+    # Q4_1 or Q8_0, with quantization="q4_1"), "q4_1_int8" or "q8_0_int8" (likewise, with "w4a8" or "w4a16"),
+    # "q4_1_int8_fp16" or "q8_0_int8_fp16" (likewise, with "w4a16-fp16")
     format: str
     # the library's packed weight; for "q4_1" and "q8_0", (Q4_1Weight or Q8_0Weight, fbgemm's float16
-    # one); for "q4_1_int8" and "q8_0_int8", int8_dot's Q4_1Int8Weight or Q8_0Int8Weight
+    # one); for "q4_1_int8" and "q8_0_int8", int8_dot's Q4_1Int8Weight or Q8_0Int8Weight; for their
+    # "_fp16" forms, (that weight, fbgemm's float16 one)
     data: object
-    # what it was packed for ("onednn", "fp16", or a quantization method: "q4_1", "w4a8", "w4a16"),
+    # what it was packed for ("onednn", "fp16", or a quantization method: "q4_1", "w4a8", "w4a16", "w4a16-fp16"),
     # what a changed weight is packed again for
     packed_for: str
 
@@ -102,13 +109,13 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
-    """``w`` packed in ``fmt``; "q4_1", "w4a8" and "w4a16" give their Q4_1 or Q8_0 format where ``w`` is
+    """``w`` packed in ``fmt``; "q4_1", "w4a8", "w4a16" and "w4a16-fp16" give their Q4_1 or Q8_0 format where ``w`` is
     exactly such (``EXACT_FORMATS``), "fp16" where it is neither."""
     if fmt in EXACT_FORMATS:
         for name, quantize_exact in EXACT_FORMATS[fmt]:
             exact = quantize_exact(w.detach())
-            if exact is not None:  # "q4_1" keeps a float16 copy for products of more rows
-                return PackedWeight(name, (exact, _pack(w, "fp16").data) if fmt == "q4_1" else exact, fmt)
+            if exact is not None:  # "q4_1" and "w4a16-fp16" keep a float16 copy for products of more rows
+                return PackedWeight(name, (exact, _pack(w, "fp16").data) if name in WITH_FLOAT16_COPY else exact, fmt)
         return PackedWeight("fp16", _pack(w, "fp16").data, fmt)
     if fmt == "fp16":  # fbgemm rounds a float32 weight to float16 here
         return PackedWeight(fmt, torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None), fmt)
@@ -238,7 +245,8 @@ def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> colle
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear``, through ``packed`` (``packed_weight_of(weight)``) where given: the integer kernels
-    for any row count, the Q4_1 and Q8_0 kernels up to ``QUANTIZED_MAX_ROWS`` rows, fbgemm for float16
+    for any row count (with a float16 copy, "w4a16-fp16": up to ``QUANTIZED_MAX_ROWS`` rows), the Q4_1
+    and Q8_0 kernels up to ``QUANTIZED_MAX_ROWS`` rows, fbgemm for float16
     weights, oneDNN for float32 up to
     ``ONEDNN_MAX_ROWS`` rows. Without it, float16 on CPU with more than ``CPU_FLOAT16_MAX_ROWS`` rows
     goes through float32 (exact upcasts, float32 accumulation either way) and is rounded back to
@@ -248,11 +256,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if packed.format in INTEGER_FORMATS:
             out = int8_dot.int8_linear(x, packed.data)
             return out if bias is None else out + bias
-        if packed.format in ("q4_1", "q8_0"):
+        if packed.format in WITH_FLOAT16_COPY:
             quantized, fp16 = packed.data
             if x.shape[0] > QUANTIZED_MAX_ROWS:
                 return _fbgemm_float16_linear(x, fp16, bias)
-            out = (q4_1.q4_1_linear if packed.format == "q4_1" else q8_0.q8_0_linear)(x, quantized)
+            kernel = {"q4_1": q4_1.q4_1_linear, "q8_0": q8_0.q8_0_linear}.get(packed.format, int8_dot.int8_linear)
+            out = kernel(x, quantized)
             return out if bias is None else out + bias
         if packed.format == "fp16":
             return _fbgemm_float16_linear(x, packed.data, bias)
@@ -268,14 +277,16 @@ def resolve_quantization(quantization: str | None, dtype: str, device_type: str,
     """``auto`` means, for a float32 model on a CPU whose torch has fbgemm and where tpspec's CPU
     kernels build (AVX2, FMA, F16C and a C++ compiler; ``layers.cpu_kernels``): "w4a16" where the
     integer kernels take their AVX-512 VNNI path (``int8_dot.isa``) or ``batch_invariant`` asks for
-    it, else "q4_1"; "fp16" where the kernels do not build; elsewhere None. "w4a16" multiplies
+    it, else "w4a16-fp16"; "fp16" where the kernels do not build; elsewhere None. "w4a16" multiplies
     weights that are exactly Q4_1 or Q8_0 (the default model's) by activations rounded to 15 bits in
     integer multiply-adds, every row count through one kernel (batch-invariant): on the default
     model 32 of 32 greedy 64-token HumanEval sequences identical to float32's, chosen-token logprobs
     within 0.0024 nats, and with VNNI faster than "q4_1" (exact weights, float32 widening up to 8
-    rows, the "fp16" copy past that) at every row count; on the AVX2 path its products are 6-15 %
-    slower than that float16 copy past 8 rows (a decode step at 32 sequences 2-7 %), so "q4_1"
-    stays the default there (benchmarks/README.md). The bound every method is held to: at least 28
+    rows, the "fp16" copy past that) at every row count. On the AVX2 path its products are faster
+    than "q4_1"'s kernel up to 8 rows but slower than that float16 copy past them, so there "auto"
+    picks "w4a16-fp16": "w4a16" up to 8 rows, the float16 copy past them (on a Zen 5's AVX2 path
+    one sequence 1.57-1.59x "q4_1"'s tokens per second, 32 the same; 31 of 32 sequences identical
+    one at a time; benchmarks/history.md). The bound every method is held to: at least 28
     of 32 such sequences identical and logprobs within 0.05 nats (``benchmarks/dtype_agreement.py``;
     "w4a8", llama.cpp's 8-bit activations, misses it: 14 of 32). ``none`` (or None): off."""
     if quantization is not None and quantization not in QUANTIZATION_OPTIONS:
@@ -291,5 +302,5 @@ def resolve_quantization(quantization: str | None, dtype: str, device_type: str,
             return "fp16"
         from tpspec.layers import int8_dot
 
-        return "w4a16" if batch_invariant or int8_dot.isa() == "avx512_vnni" else "q4_1"
+        return "w4a16" if batch_invariant or int8_dot.isa() == "avx512_vnni" else "w4a16-fp16"
     return None if quantization == "none" else quantization

@@ -28,7 +28,8 @@ from tpspec.distributed import comm
 from tpspec.layers import cpu_kernels, int8_dot
 from tpspec.layers.activation import silu_and_mul
 from tpspec.layers.attention import AttentionMetadata
-from tpspec.layers.cpu_weights import INTEGER_FORMATS, linear, packed_entry, packing_generation
+from tpspec.layers.cpu_weights import (INTEGER_FORMATS, INTEGER_WITH_FLOAT16_COPY, QUANTIZED_MAX_ROWS, linear, packed_entry,
+                                      packing_generation)
 from tpspec.layers.linear import RowParallelLinear
 from tpspec.layers.rotary import RopeAngles
 
@@ -41,19 +42,20 @@ class LinearPlan:
         self.version = self.weight._version
         self.entry = packed_entry(self.weight)  # (weakref, version, PackedWeight): made by packed_weight() just before
         self.reduce = reduce  # a row-parallel product: its partial sums all-reduced (tp > 1)
-        packed = self.entry[2]
-        if packed.format in INTEGER_FORMATS:
-            data, kernels = packed.data, cpu_kernels.kernels()
-            isa = int8_dot.ISAS.index(int8_dot.isa())
-            if packed.format == "q4_1_int8":
+        packed, weight = self.entry[2], self.weight
+        self.call: Callable[[torch.Tensor], torch.Tensor] = lambda x: linear(x, weight, None, packed)
+        if packed.format in INTEGER_FORMATS or packed.format in INTEGER_WITH_FLOAT16_COPY:
+            data = packed.data if packed.format in INTEGER_FORMATS else packed.data[0]
+            kernels, isa = cpu_kernels.kernels(), int8_dot.ISAS.index(int8_dot.isa())
+            if packed.format.startswith("q4_1"):
                 fn, extra = kernels.q4_1_int8_linear, (data.qweight, data.scales, data.mins)
             else:
                 fn, extra = kernels.q8_0_int8_linear, (data.qweight, data.scales, data.qsums)
             args = (*extra, data.out_features, data.activation_bits, isa)
-            self.call: Callable[[torch.Tensor], torch.Tensor] = lambda x: fn(x, *args)  # x contiguous float32
-        else:
-            weight = self.weight
-            self.call = lambda x: linear(x, weight, None, packed)
+            if packed.format in INTEGER_FORMATS:
+                self.call = lambda x: fn(x, *args)  # x contiguous float32
+            else:  # up to QUANTIZED_MAX_ROWS rows the integer kernel, past them the float16 copy (``linear``)
+                self.call = lambda x: fn(x, *args) if x.shape[0] <= QUANTIZED_MAX_ROWS else linear(x, weight, None, packed)
 
     @staticmethod
     def of(module) -> "LinearPlan | None":
