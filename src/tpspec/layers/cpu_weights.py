@@ -56,10 +56,12 @@ EXACT_FORMATS = {
        for method, bits, tail in (("w4a8", 8, ""), ("w4a16", 15, ""), ("w4a16-fp16", 15, "_fp16"))},
 }
 INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)
-# Formats packed with a float16 copy that takes the products of more than QUANTIZED_MAX_ROWS rows:
-# data = (the kernel's weight, fbgemm's float16 one)
+# Formats packed with a float16 copy that takes the products of more than QUANTIZED_MAX_ROWS rows
+# (data = (the kernel's weight, fbgemm's float16 one)), and the kernel that takes the others
 INTEGER_WITH_FLOAT16_COPY = ("q4_1_int8_fp16", "q8_0_int8_fp16")  # "w4a16-fp16"'s
-WITH_FLOAT16_COPY = ("q4_1", "q8_0", *INTEGER_WITH_FLOAT16_COPY)
+SMALL_ROWS_KERNEL = {"q4_1": q4_1.q4_1_linear, "q8_0": q8_0.q8_0_linear,
+                     **{fmt: int8_dot.int8_linear for fmt in INTEGER_WITH_FLOAT16_COPY}}
+WITH_FLOAT16_COPY = tuple(SMALL_ROWS_KERNEL)
 
 
 def _row_bucket(rows: int) -> int:
@@ -260,8 +262,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             quantized, fp16 = packed.data
             if x.shape[0] > QUANTIZED_MAX_ROWS:
                 return _fbgemm_float16_linear(x, fp16, bias)
-            kernel = {"q4_1": q4_1.q4_1_linear, "q8_0": q8_0.q8_0_linear}.get(packed.format, int8_dot.int8_linear)
-            out = kernel(x, quantized)
+            out = SMALL_ROWS_KERNEL[packed.format](x, quantized)
             return out if bias is None else out + bias
         if packed.format == "fp16":
             return _fbgemm_float16_linear(x, packed.data, bias)
