@@ -8,13 +8,14 @@ and accepted positions 1 … a. The expected number of accepted drafts when k ar
 Counts decay exponentially (old behaviour fades): engine-wide with a window of
 ``ENGINE_WINDOW`` verifications, per request with ``REQUEST_WINDOW``. Estimates are shrunk
 toward a prior with pseudo-observations: the engine-wide rate at position j toward the
-drafter's measured rate there (``speculative_config.acceptance_prior``), past what it gives toward
-the engine-wide rate at j − 1 (position 1 toward ``PRIOR``), ``PRIOR_WEIGHT`` of them; a request's
-rate toward the engine-wide one (``REQUEST_PRIOR_WEIGHT``), so a request with little history
-behaves like the average request and a short lucky streak does not make it speculate. The
-drafter's own rates matter where a stream decodes fast: at one stream on a 2-core Zen 4 the
-shipped EAGLE-3 head pays from its first draft on (α_1 ≈ 0.52), which ``PRIOR`` said it would not,
-and a request held at k = 0 learns its rate from rare probes only.
+drafter's measured rate there (``speculative_config.acceptance_prior``, ``MEASURED_PRIOR_WEIGHT``
+of them), past what it gives toward the engine-wide rate at j − 1 (position 1 toward ``PRIOR``),
+``PRIOR_WEIGHT`` of them; a request's rate toward the engine-wide one (``REQUEST_PRIOR_WEIGHT``),
+so a request with little history behaves like the average request and a short lucky streak does
+not make it speculate. The drafter's own rates matter where a stream decodes fast: at one stream
+on a 2-core Zen 4 the shipped EAGLE-3 head pays from its first draft on (α_1 ≈ 0.52), which
+``PRIOR`` said it would not, and a request held at k = 0 learns its rate from rare probes only:
+so an unlucky start must not outweigh the drafter's measurement (see ``MEASURED_PRIOR_WEIGHT``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from __future__ import annotations
 import numpy as np
 
 PRIOR = 0.4  # acceptance assumed at position 1 before anything is measured
-PRIOR_WEIGHT = 4.0  # pseudo-observations behind the engine-wide prior
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind an assumed engine-wide prior (PRIOR, or the rate one position before)
+# Pseudo-observations behind the drafter's measured rate at a position. With 4, at one stream on a
+# Zen 5 (where a first draft pays from α_1 ≈ 0.36 on), the shipped EAGLE-3 head's first request
+# once accepted 1 of its first 5 drafts: α_1 fell from 0.50 to 0.34 and the stream was held at
+# k = 0 for 6 requests, learning from a probe every 50-75 steps. Three fresh runs of the same 8
+# prompts one at a time: mean k 0.05, 1.33 and 1.08 with 4, 1.92, 2.00 and 2.00 with 16.
+MEASURED_PRIOR_WEIGHT = 16.0
 REQUEST_PRIOR_WEIGHT = 16.0  # pseudo-observations of the engine-wide rate behind a request's own
 ENGINE_WINDOW = 256  # verifications
 REQUEST_WINDOW = 32
@@ -68,8 +75,10 @@ class AcceptanceModel:
         rates = np.empty(self.max_k)
         prior = PRIOR
         for j in range(self.max_k):
-            prior = self.prior[j] if j < len(self.prior) else prior
-            prior = rates[j] = (self.engine.accepted[j] + PRIOR_WEIGHT * prior) / (self.engine.tried[j] + PRIOR_WEIGHT)
+            measured = j < len(self.prior)
+            prior = self.prior[j] if measured else prior
+            weight = MEASURED_PRIOR_WEIGHT if measured else PRIOR_WEIGHT
+            prior = rates[j] = (self.engine.accepted[j] + weight * prior) / (self.engine.tried[j] + weight)
         return rates
 
     def request_rates(self, req_id: str, engine_rates: np.ndarray | None = None) -> np.ndarray:
