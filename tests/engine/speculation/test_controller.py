@@ -13,7 +13,7 @@ import pytest
 from tpspec.config import SpeculativeConfig
 from tpspec.engine.speculation.acceptance import AcceptanceModel
 from tpspec.engine.speculation.controller import (
-    HOLD_STEPS, MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, RESUME_STEPS, PlanRequest, SpeculationLengthController,
+    DRAFTING_HOLD_STEPS, HOLD_STEPS, MIN_SPEEDUP, PROBE_BUDGET, PROBE_INTERVAL, RESUME_STEPS, PlanRequest, SpeculationLengthController,
 )
 from tpspec.config.speculative_methods import get_method
 from tpspec.engine.speculation import step_time
@@ -84,7 +84,7 @@ def test_the_drafters_measured_acceptance_is_the_prior():
     assert measured.plan([req(0)], 1).num_propose == [1]
     set_rates(measured, "r0", [0.2] * 4, n=400)  # the drafts turn out worse: measured rates take over
     assert measured.acceptance.engine_rates()[0] == pytest.approx(0.2, abs=0.03)
-    assert measured.plan([req(0)], 1).num_propose == [0]
+    assert measured.plan([req(1)], 1).num_propose == [0]
 
 
 def test_an_unlucky_start_does_not_outweigh_the_drafters_measurement():
@@ -116,9 +116,10 @@ def test_no_speculation_when_no_k_pays():
     assert c.plan([req(0)], 1).num_propose[0] >= 4
 
 
-def test_a_plan_of_no_drafts_is_kept_a_few_steps(monkeypatch):
+def test_plans_are_kept_a_few_steps(monkeypatch):
     """No draft pays: the plan is kept for HOLD_STEPS steps while the requests stay the same and no
-    verification is observed, and made again at once when either changes (it would then give drafts)."""
+    verification is observed, and made again at once when either changes. A plan that gives drafts
+    is kept for DRAFTING_HOLD_STEPS steps, its drafts' verifications notwithstanding."""
     c = controller("eagle3", 4, model("eagle3", lambda r: 1.0 + 0.5 * r, lambda r: 0.3 + 0.01 * r))
     set_rates(c, "r0", [0.3] * 4)
     made = []
@@ -133,11 +134,20 @@ def test_a_plan_of_no_drafts_is_kept_a_few_steps(monkeypatch):
     assert len(made) == 3
     c.plan(held + [PlanRequest("r1", True, 0, 0, 4)], 2)  # another request: made again
     assert len(made) == 4
-    # Cheap rows now: the next plan that is made gives drafts, and is not kept.
+    # Cheap rows now: the next plan that is made gives drafts, and is kept a few steps.
     c.step_time = model("eagle3", lambda r: 1.0 + 0.001 * r, lambda r: 0.01)
     set_rates(c, "r0", [0.95] * 4)
-    assert c.plan(held, 1).num_propose[0] > 0 and c.plan(held, 1).num_propose[0] > 0
+    drafting = [PlanRequest("r0", True, 4, 4, 4)]
+    first = c.plan(drafting, 1).num_propose
+    assert first[0] > 0 and len(made) == 5
+    for _ in range(DRAFTING_HOLD_STEPS - 1):
+        c.observe_verification("r0", first[0], first[0])
+        assert c.plan(drafting, 1).num_propose == first
+    assert len(made) == 5
+    c.plan(drafting, 1)
     assert len(made) == 6
+    c.plan([PlanRequest("r0", True, 4, 4, 3)], 1)  # its limits changed: made again
+    assert len(made) == 7
 
 
 def test_giving_up_the_decode_path_must_pay():

@@ -14,9 +14,10 @@ the controller scans D = 0, 1, … that way and keeps the D with the most tokens
 near break-even the step-time model's error would decide). A step with prefill rows is long whatever k is,
 so against its own tokens per second every draft would look cheap: there it keeps the D that
 maximizes tokens − λ · seconds, λ the most tokens per second the same sequences make decoding.
-A plan that gives no request a draft is kept for up to ``HOLD_STEPS`` steps while the step's
-requests stay the same and no verification comes in (a probe's included), so that a batch held at
-k = 0 does not pay for planning every step.
+A plan is kept while the step's requests stay the same (their held drafts and limits included),
+so that planning is not paid every step: one that gives no request a draft for up to
+``HOLD_STEPS`` steps or until a verification comes in (a probe's), one that gives drafts for up to
+``DRAFTING_HOLD_STEPS`` steps (its requests' rates move little in that many verifications).
 A request held at k = 0 by a drafter that defers its feed (the methods table's ``defers_feed``)
 has a backlog (``PlanRequest.lag``) that it feeds in the step in which it proposes again: a step
 that resumes it is charged that feed spread over ``RESUME_STEPS`` (the drafting it resumes is
@@ -70,6 +71,10 @@ RESUME_STEPS = 4
 # on a Zen 5 still re-planned in a third of its steps (0.27 ms a plan, cold after the forward:
 # 0.09 ms a step of 7.7), with 16 in a sixth (0.04 ms).
 HOLD_STEPS = 16
+# A plan that gives drafts is kept for up to this many steps while the step's requests stay as they
+# were: planning cost 0.18 ms a step at one stream on a Zen 5 (EAGLE-3 adaptive, in the engine,
+# after the forward has cooled the caches), 3 % of a 5.5 ms step that fixed k does not pay.
+DRAFTING_HOLD_STEPS = 4
 
 
 @dataclass
@@ -105,7 +110,8 @@ class SpeculationLengthController:
         self._steps_without_drafts: dict[str, int] = {}
         self._probing: set[str] = set()
         self._num_plans = 0
-        self._held: tuple | None = None  # what the last plan that chose no drafts was made for
+        self._held: tuple | None = None  # what the last plan was made for
+        self._held_ks: list[int] = []  # its ks
         self._held_steps = 0  # steps it has been kept since
         self._observed = False  # a verification was observed since the last plan
         self._probe_credit = 0.0  # seconds of probing earned: PROBE_BUDGET of every step's predicted time
@@ -123,12 +129,14 @@ class SpeculationLengthController:
         """k for every scheduled request; ``real_rows``: the step's real (non-draft) tokens."""
         if self.spec.adaptive:
             held = (real_rows, tuple((r.req_id, r.samples, r.num_held, r.max_verify, r.max_propose) for r in reqs))
-            if held == self._held and not self._observed and self._held_steps + 1 < HOLD_STEPS:
-                ks = [0] * len(reqs)
+            drafting = any(self._held_ks)
+            if (held == self._held and (drafting or not self._observed)
+                    and self._held_steps + 1 < (DRAFTING_HOLD_STEPS if drafting else HOLD_STEPS)):
+                ks = list(self._held_ks)
                 self._held_steps += 1
             else:
                 ks = self._adaptive_ks(reqs, real_rows)
-                self._held, self._held_steps = (None if any(ks) else held), 0
+                self._held, self._held_ks, self._held_steps = held, ks, 0
             self._observed = False
         else:
             k = self.spec.k_for_batch_size(len(reqs))
