@@ -411,6 +411,19 @@ def test_a_slower_machine_leaves_the_cost_of_more_rows_as_profiled():
     assert stm.forward(48, 32, False) - stm.forward(32, 32, False) == pytest.approx(marginal, rel=0.01)
 
 
+def test_one_stalled_step_does_not_stop_drafts_that_pay():
+    """A stream whose drafts pay 18 % more tokens per second: one drafting step whose target phase
+    stalls (10x its prediction) must not tip the next plan to no drafts. (With a phase counted up to
+    2x its prediction, the stall raised the verify jump, which only drafting steps teach, with the
+    rows and sequences curves, and the next plan held the stream at k = 0.)"""
+    c = controller("eagle3", 4, model("eagle3", lambda r: 1.0 + 0.3 * r, lambda r: 0.05), acceptance_prior=(0.5, 0.5))
+    plan = c.plan([req(0)], 1)
+    assert plan.num_propose == [1]
+    target = c.step_time.forward(2, 1, False)
+    c.observe_step(plan, [req(0)], 10 * target, 0.05, 1, 10 * target + 0.05)
+    assert c.plan([req(1)], 1).num_propose == [1]
+
+
 def test_one_stall_moves_the_curves_no_more_than_a_step_max_error_ratio_times_as_slow():
     """A drafter phase 50x its prediction (a garbage collection, a preempted thread: served at one
     stream, after one such step EAGLE-3 proposed in 93 of the next 1,173 steps) corrects the curves as one
