@@ -123,16 +123,6 @@ def serve(engine: AsyncEngine, config: uvicorn.Config, grace_s: float, descripti
 
 
 # ---- `tpspec serve` -------------------------------------------------------------------------------
-def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
-    """uvicorn's configuration of ``tpspec serve``. Its event loop and HTTP parser are uvicorn's
-    defaults, which take uvloop and httptools (tpspec's dependencies) where installed: each
-    streamed chunk's work holds the GIL the engine thread needs, and with the pure-Python ones one
-    stream served on 2 cores paid 1.23-1.37x offline decoding's TPOT, 1.11x with them
-    (docs/cpu-performance.md, "Threads")."""
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                          access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5, server_header=False)
-
-
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     """Build the engine (on its own thread), then serve until SIGINT/SIGTERM or engine death;
     returns the exit status (``lifecycle``). With ``--headless``: run one of the other nodes of a
@@ -169,7 +159,9 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     try:
         app = build_app(engine, names, api_key=api_key, model_path=model, limits=limits,
                         allowed_origins=args.allowed_origins)
-        config = uvicorn_config(app, args)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
+                                server_header=False)
         description = f"model {names[0]}" + (", API key required" if api_key else "")
         return serve(engine, config, args.shutdown_grace_period, description)
     finally:
