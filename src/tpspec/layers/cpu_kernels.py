@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNEL_ISA = ("avx2", "fma", "f16c")  # what the kernels are compiled for
-WIDE_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what the products' 16-lane paths need
+WIDE_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what the products' and attention's 16-lane paths need
 _SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp")))
 _MODULE = None  # the module once built and imported
 
@@ -54,7 +54,8 @@ def _build():
 
 @functools.lru_cache(maxsize=1)
 def wide() -> bool:
-    """Whether the Q4_1 and Q8_0 products take their AVX-512 paths: the CPU has ``WIDE_ISA`` and no
+    """Whether the Q4_1 and Q8_0 products and paged attention take their AVX-512 paths (the integer
+    products too, with VNNI: ``int8_dot.isa``): the CPU has ``WIDE_ISA`` and no
     ISA cap (``ATEN_CPU_CAPABILITY=avx2``, see ``cpu_features.ISA_CAP_VARS``) asks for an AVX2 run."""
     from tpspec.cpu_features import cpu_model_and_isa
 
