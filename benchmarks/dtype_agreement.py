@@ -1,7 +1,7 @@
 """How far a cheaper setting's greedy output strays from float32's: dtype and kernel accuracy.
 
 Generates ``--max-tokens`` greedy tokens for ``--num-prompts`` held-out HumanEval prompts with the
-default model in float32 with a float32 KV cache (the reference) and in each setting (each in a
+default model (or ``--model``) in float32 with a float32 KV cache (the reference) and in each setting (each in a
 fresh process): a dtype, or ``float32+fp16`` (float32 with ``--quantization fp16``; ``float32+q4_1``
 likewise), with ``@KV`` the KV cache's dtype (``float32+w4a16@float16``; without it the engine's
 default, ``auto``), and
@@ -29,23 +29,24 @@ from tpspec.bench.machine import machine_info
 
 
 def _generate(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, max_num_seqs: int | None,
-              queue) -> None:
+              model: str | None, queue) -> None:
     from tpspec import LLM, SamplingParams
 
     setting, _, kv = setting.partition("@")  # no @: the engine's default KV cache dtype
     dtype, _, quantization = setting.partition("+")  # float32 alone: unquantized
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     options = ({} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}) | ({"kv_cache_dtype": kv} if kv else {})
-    with LLM(dtype=dtype, quantization=quantization or "none", torch_compile=torch_compile, **options) as llm:
+    with LLM(model, dtype=dtype, quantization=quantization or "none", torch_compile=torch_compile, **options) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     queue.put([(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outs])
 
 
-def run(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, max_num_seqs: int | None = None):
+def run(setting: str, torch_compile: bool, prompts: list[str], max_tokens: int, max_num_seqs: int | None = None,
+        model: str | None = None):
     """Tokens and chosen-token logprobs of every prompt, from a fresh process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_generate, args=(setting, torch_compile, prompts, max_tokens, max_num_seqs, queue))
+    proc = ctx.Process(target=_generate, args=(setting, torch_compile, prompts, max_tokens, max_num_seqs, model, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -77,10 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences decoded together, in every setting (default: the engine's; 1: one at a time)")
+    p.add_argument("--model", default=None, help="model folder/name (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--result-file")
     args = p.parse_args(argv)
     prompts = humaneval_prompts(args.num_prompts)
-    ref = run("float32@float32", False, prompts, args.max_tokens, args.max_num_seqs)
+    ref = run("float32@float32", False, prompts, args.max_tokens, args.max_num_seqs, args.model)
     rows = {}
     batch = "" if args.max_num_seqs is None else f", at most {args.max_num_seqs} sequences a step"
     print(f"{args.num_prompts} HumanEval prompts, {args.max_tokens} greedy tokens each{batch}, against float32 with a float32 KV cache (eager)")
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|")
     for setting in args.settings:
         name = setting + (" compiled" if args.torch_compile else "")
-        r = rows[name] = compare(ref, run(setting, args.torch_compile, prompts, args.max_tokens, args.max_num_seqs))
+        r = rows[name] = compare(ref, run(setting, args.torch_compile, prompts, args.max_tokens, args.max_num_seqs, args.model))
         print(f"| {name} | {r['identical']}/{r['sequences']} | {r['mean_tokens_before_first_difference']:.1f} | "
               f"{r['max_abs_logprob_diff']:.4f} / {r['mean_abs_logprob_diff']:.5f} |")
     if args.result_file:

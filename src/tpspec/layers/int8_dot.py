@@ -1,4 +1,4 @@
-"""Q4_1 and Q8_0 weights times activations rounded to integers, in 8-bit integer multiply-adds
+"""Q4_1 and Q8_0 weights (and Q5_0's, as Q8_0 groups) times activations rounded to integers, in 8-bit integer multiply-adds
 (``--quantization w4a8`` and ``w4a16``; ``csrc/int8_dot_linear.cpp``, one of ``cpu_kernels``).
 
 Each product rounds its input rows once, per 32 values, to ``activation_bits`` (x ≈ dx·qx with
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpspec.layers import cpu_kernels, q4_1, q8_0
+from tpspec.layers import cpu_kernels, q4_1, q5_0, q8_0
 
 GROUP = 32  # values per group: one dw (and m) per weight group, one dx per activation group
 BLOCK = 16  # outputs the kernel takes at a time, their weights interleaved
@@ -112,6 +112,13 @@ def quantize_exact_q8_0(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight
     if exact is None:
         return None
     return pack_q8_0(exact.scales, exact.qweight.view(exact.qweight.shape[0], -1, GROUP), activation_bits)
+
+
+def quantize_exact_q5_0(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight | None:
+    """``w`` ([out, in] float32) in the Q8_0 kernel's layout if it is exactly Q5_0 (its groups are
+    whole numbers in −16..16 times a float16 d: ``q5_0.exact_groups``), else None."""
+    groups = q5_0.exact_groups(w)
+    return None if groups is None else pack_q8_0(*groups, activation_bits)
 
 
 def round_activations(x: torch.Tensor, activation_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,68 @@
+"""Q5_0 weights (most of Gemma 3 270M's layers in its Q4_K_M GGUF): llama.cpp's format, 32 weights a
+group, w = d·(q − 16) with q a 5-bit integer and d float16 (d = max / −16, ``max`` the group's value
+of largest magnitude). ``exact_groups`` recovers such groups from the float32 weights the loader
+gives (None where a weight is not exactly Q5_0, or Q8_0 in some groups: nothing is re-quantized);
+as whole numbers in −16..16 times |d| they are Q8_0 groups with another d than Q8_0's own rounding
+picks, so the Q8_0 kernels take them (``int8_dot.quantize_exact_q5_0``; ``quantize_exact`` for ``q8_0_linear``): 1.06
+bytes a weight against float16's 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpspec.layers import q8_0
+
+GROUP = 32  # weights per group (one d)
+LEVELS = 16  # q − 16 runs over −16..15
+
+
+def round_to_q5_0(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ([out, in] float32, in a multiple of GROUP) rounded to Q5_0 as llama.cpp does: the float32
+    weight a Q5_0 GGUF of it would hold (lossy; tests make Q5_0 weights with it)."""
+    out_features, in_features = w.shape
+    groups = w.detach().float().view(out_features, in_features // GROUP, GROUP)
+    extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))  # [out, groups, 1] signed
+    d = extreme / -LEVELS
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = (groups * inverse + 16.5).trunc().clamp(max=31)  # llama.cpp's MIN(31, (int8_t)(x·id + 16.5))
+    return (d.half().float() * (q - LEVELS)).flatten(1)
+
+
+def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` ([out, in] float32) as whole-number groups if every group is exactly Q5_0 (d·k with a
+    float16 d ≥ 0 and k in −16..16: d = max |w| / 16, |llama.cpp's d|, its value of largest magnitude
+    k = ±16) or exactly Q8_0 (``q8_0.quantize_exact``'s rule, d = max |w| / 127): a merged weight
+    (Gemma 3's q/k/v, where v is Q8_0 in half the layers) mixes the two. d [out, groups] float16 and
+    k [out, groups, 32] int8; else None."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
+        return None
+    if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once
+        return None
+    out_features, in_features = w.shape
+    groups = w.detach().view(out_features, in_features // GROUP, GROUP)
+    amax = groups.abs().amax(-1)  # [out, groups]
+    candidates = []
+    for levels in (LEVELS, q8_0.Q_MAX):  # Q5_0's d, then Q8_0's
+        d = (amax / levels).half()
+        if not torch.isfinite(d).all():
+            return None
+        step = torch.where(d == 0, torch.ones_like(d), d).float()[..., None]
+        k = torch.round(groups / step).clamp(-levels, levels)
+        candidates.append((d, k, (k * d.float()[..., None] == groups).all(-1)))  # [out, groups] exact
+    (d5, k5, exact5), (d8, k8, exact8) = candidates
+    if not (exact5 | exact8).all():
+        return None
+    d = torch.where(exact5, d5, d8)
+    k = torch.where(exact5[..., None], k5, k8)
+    return d.contiguous(), k.to(torch.int8)
+
+
+def quantize_exact(w: torch.Tensor) -> q8_0.Q8_0Weight | None:
+    """``w`` ([out, in] float32) in the Q8_0 kernel's layout (``q8_0_linear``) if its groups are
+    exactly Q5_0 or Q8_0 (``exact_groups``), else None."""
+    groups = exact_groups(w)
+    if groups is None:
+        return None
+    d, k = groups
+    return q8_0.Q8_0Weight(k.flatten(1).contiguous(), d)
