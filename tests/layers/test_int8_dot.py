@@ -35,6 +35,15 @@ def q4_1_groups(out_features: int, in_features: int, seed: int = 0):
     return d, m, q
 
 
+def q4_k_groups(out_features: int, in_features: int, seed: int = 0):
+    """Random Q4_K groups as the loader gives them: D = d·sc and M = −dmin·m, d and dmin float16, sc
+    and m 6-bit (float32 values that are not float16 ones), and q [out, groups, 32] uint8 in 0..15."""
+    d, _, q = q4_1_groups(out_features, in_features, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    sc, mn = torch.randint(1, 64, (2, *d.shape), generator=g)
+    return d.float() * sc, -(d.float() * 0.5).half().float() * mn, q
+
+
 def q8_0_groups(out_features: int, in_features: int, seed: int = 0):
     """Random Q8_0 groups: d [out, groups] float16 and q [out, groups, 32] int8 in -127..127."""
     g = torch.Generator().manual_seed(seed)
@@ -54,7 +63,7 @@ def reference(x: torch.Tensor, bits: int, d, q, m=None) -> torch.Tensor:
 
 def run(kind: str, x: torch.Tensor, weight, path: str) -> torch.Tensor:
     k, isa, bits = cpu_kernels.kernels(), int8_dot.ISAS.index(path), weight.activation_bits
-    if kind == "q4_1":
+    if kind in ("q4_1", "q4_k"):
         return k.q4_1_int8_linear(x, weight.qweight, weight.scales, weight.mins, weight.out_features, bits, isa)
     return k.q8_0_int8_linear(x, weight.qweight, weight.scales, weight.qsums, weight.out_features, bits, isa)
 
@@ -97,13 +106,14 @@ def test_exact_weights_are_recovered_and_others_left_alone():
 @needs_kernel
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [8, 15])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q8_0"])
 # 40 outputs: two blocks and a half one; 3 groups, 18 (the default model's width), 9 (a TP 2 shard's)
 @pytest.mark.parametrize("out_features, in_features", [(40, 96), (16, 576), (72, 288)])
 def test_every_row_count_is_the_reference_and_each_row_its_own(kind, bits, path, out_features, in_features):
-    if kind == "q4_1":
-        d, m, q = q4_1_groups(out_features, in_features)
+    if kind in ("q4_1", "q4_k"):  # Q4_K's: the Q4_1 layout with float32 scales and mins
+        d, m, q = (q4_1_groups if kind == "q4_1" else q4_k_groups)(out_features, in_features)
         weight = int8_dot.pack_q4_1(d, m, q, bits)
+        assert weight.scales.dtype == weight.mins.dtype == d.dtype
     else:
         (d, q), m = q8_0_groups(out_features, in_features), None
         weight = int8_dot.pack_q8_0(d, q, bits)
@@ -119,10 +129,10 @@ def test_every_row_count_is_the_reference_and_each_row_its_own(kind, bits, path,
 @needs_kernel
 @pytest.mark.skipif(not HAS_VNNI, reason="the CPU lacks AVX-512 VNNI")
 @pytest.mark.parametrize("bits", [8, 15])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q8_0"])
 def test_both_paths_give_the_same_bits(kind, bits):
-    d, m, q = q4_1_groups(48, 576, seed=3)
-    weight = (int8_dot.pack_q4_1(d, m, q, bits) if kind == "q4_1"
+    d, m, q = (q4_k_groups if kind == "q4_k" else q4_1_groups)(48, 576, seed=3)
+    weight = (int8_dot.pack_q4_1(d, m, q, bits) if kind != "q8_0"
               else int8_dot.pack_q8_0(*q8_0_groups(48, 576, seed=3), bits))
     x = torch.randn(37, 576) * 3
     assert torch.equal(run(kind, x, weight, "avx2"), run(kind, x, weight, "avx512_vnni"))

@@ -49,12 +49,14 @@ QUANTIZED_MAX_ROWS = 8
 # What each --quantization packs an exactly-Q4_1 weight, an exactly-Q8_0 one and any other in (the
 # integer kernels of "w4a8" and "w4a16" take every row count: no float16 copy; "w4a16-fp16" takes
 # w4a16's up to QUANTIZED_MAX_ROWS rows and a float16 copy past them, as "q4_1" does with its own).
-# A Q5_0 weight (Gemma 3's) is packed as Q8_0 groups (layers.q5_0).
+# A Q5_0 weight (Gemma 3's) is packed as Q8_0 groups (layers.q5_0), a Q4_K one as Q4_1 groups with float32
+# scales (layers.q4_k) by the integer kernels.
 EXACT_FORMATS = {
     "q4_1": (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact), ("q8_0", q5_0.quantize_exact)),
     **{method: ((f"q4_1_int8{tail}", functools.partial(int8_dot.quantize_exact_q4_1, activation_bits=bits)),
                 (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q8_0, activation_bits=bits)),
-                (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q5_0, activation_bits=bits)))
+                (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q5_0, activation_bits=bits)),
+                (f"q4_1_int8{tail}", functools.partial(int8_dot.quantize_exact_q4_k, activation_bits=bits)))
        for method, bits, tail in (("w4a8", 8, ""), ("w4a16", 15, ""), ("w4a16-fp16", 15, "_fp16"))},
 }
 INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)

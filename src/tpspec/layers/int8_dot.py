@@ -1,5 +1,6 @@
-"""Q4_1 and Q8_0 weights (and Q5_0's, as Q8_0 groups) times activations rounded to integers, in 8-bit integer multiply-adds
-(``--quantization w4a8`` and ``w4a16``; ``csrc/int8_dot_linear.cpp``, one of ``cpu_kernels``).
+"""Q4_1 and Q8_0 weights (and Q5_0's as Q8_0 groups, Q4_K's as Q4_1 groups with float32 scales) times
+activations rounded to integers, in 8-bit integer multiply-adds (``--quantization w4a8`` and
+``w4a16``; ``csrc/int8_dot_linear.cpp``, one of ``cpu_kernels``).
 
 Each product rounds its input rows once, per 32 values, to ``activation_bits`` (x ≈ dx·qx with
 dx = max |x| / QMAX): 8 bits as llama.cpp does (qx in -127..127), or 15 (qx in -16256..16256, two
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpspec.layers import cpu_kernels, q4_1, q5_0, q8_0
+from tpspec.layers import cpu_kernels, q4_1, q4_k, q5_0, q8_0
 
 GROUP = 32  # values per group: one dw (and m) per weight group, one dx per activation group
 BLOCK = 16  # outputs the kernel takes at a time, their weights interleaved
@@ -29,14 +30,14 @@ VNNI_ISA = "avx512_vnni"  # the CPU flag vpdpbusd needs (with cpu_kernels.WIDE_I
 
 @dataclass(frozen=True)
 class Q4_1Int8Weight:
-    """An exactly-Q4_1 ``[out_features, in_features]`` weight in this kernel's layout (``pack_q4_1``),
-    and the bits its activations are rounded to."""
+    """An exactly-Q4_1 (or Q4_K) ``[out_features, in_features]`` weight in this kernel's layout
+    (``pack_q4_1``), and the bits its activations are rounded to."""
 
     out_features: int
     activation_bits: int  # a key of ACTIVATION_QMAX
     qweight: torch.Tensor  # [blocks, groups · 256] uint8: blocks of 16 outputs, interleaved 4 weights at a time
-    scales: torch.Tensor  # [blocks, groups, 16] float16: d
-    mins: torch.Tensor  # [blocks, groups, 16] float16: m
+    scales: torch.Tensor  # [blocks, groups, 16] float16 (Q4_K's: float32): d
+    mins: torch.Tensor  # [blocks, groups, 16] as scales: m
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,13 @@ def quantize_exact_q8_0(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight
     if exact is None:
         return None
     return pack_q8_0(exact.scales, exact.qweight.view(exact.qweight.shape[0], -1, GROUP), activation_bits)
+
+
+def quantize_exact_q4_k(w: torch.Tensor, activation_bits: int) -> Q4_1Int8Weight | None:
+    """``w`` ([out, in] float32) in the Q4_1 layout with float32 scales and mins if its groups are
+    exactly D·q + M with a 4-bit q (Q4_K's: ``q4_k.exact_groups``), else None."""
+    groups = q4_k.exact_groups(w)
+    return None if groups is None else pack_q4_1(*groups, activation_bits)
 
 
 def quantize_exact_q5_0(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight | None:

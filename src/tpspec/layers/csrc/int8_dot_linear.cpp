@@ -21,7 +21,8 @@
 // Q4_1: 256 bytes, 4 x 64: byte 4j + i of part l holds weight 4l + i (low nibble) and 16 + 4l + i
 // (high nibble) of output j. Q8_0: 512 bytes, 8 x 64: byte 4j + i of part c holds weight 4c + i of
 // output j, signed; with it Σ q over the group per output (int16), for vpdpbusd's unsigned x.
-// Scales d, mins m: float16 [blocks, groups, 16].
+// Scales d, mins m: float16 [blocks, groups, 16]; float32 for Q4_1's layout holding groups whose d and m
+// are not float16 values (Q4_K's: a float16 times a 6-bit integer, tpspec.layers.q4_k).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -44,8 +45,8 @@ struct Operands {
   const float* xd;
   const float* xs;
   const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* m;     // Q4_1: mins
+  const void* d;         // float16, or float32 (F32 below)
+  const void* m;         // Q4_1: mins, as d
   const int16_t* qsum;   // Q8_0: Σ q of each group and output
   float* out;
   int64_t I, O, G;
@@ -105,6 +106,13 @@ void quantize_rows(const float* x, uint8_t* xq, uint8_t* xl, float* xd, float* x
   }
 }
 
+// 8 scales (or mins) of a group's block, from float16 or float32 (F32).
+template <bool F32>
+static inline __m256 scales8(const void* p, int64_t i) {
+  if constexpr (F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+}
+
 static inline int32_t x_chunk(const uint8_t* xq) {  // 4 bytes of x, to broadcast
   int32_t v;
   std::memcpy(&v, xq, 4);
@@ -122,7 +130,7 @@ static inline __m256i q4_group_avx2(const __m256i w[8], const uint8_t* xg) {
   return _mm256_madd_epi16(sum16, _mm256_set1_epi16(1));
 }
 
-template <int RB, bool Q8, bool A15>
+template <int RB, bool Q8, bool A15, bool F32>
 void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
   const int64_t G = a.G, part = 64, group_bytes = Q8 ? 8 * part : 4 * part;
   const uint8_t* wb = a.q + b * G * group_bytes + 32 * h;
@@ -134,7 +142,7 @@ void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
     if (h == 0)  // the next block's same group, a block ahead (as block_vnni prefetches)
       for (int64_t l = 0; l < group_bytes; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wg + G * group_bytes + l), _MM_HINT_T0);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + (b * G + g) * BLOCK + 8 * h)));
+    const __m256 dw = scales8<F32>(a.d, (b * G + g) * BLOCK + 8 * h);
     if constexpr (Q8) {
       for (int r = 0; r < RB; ++r) {
         const uint8_t* xg = a.xq + (r0 + r) * a.I + g * GROUP;
@@ -159,7 +167,7 @@ void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
         w[l] = _mm256_and_si256(v, low);
         w[l + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + (b * G + g) * BLOCK + 8 * h)));
+      const __m256 mv = scales8<F32>(a.m, (b * G + g) * BLOCK + 8 * h);
       for (int r = 0; r < RB; ++r) {
         const int64_t xo = (r0 + r) * a.I + g * GROUP;
         __m256i sum = q4_group_avx2(w, a.xq + xo);
@@ -183,16 +191,16 @@ void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
   }
 }
 
-template <bool Q8, bool A15>
+template <bool Q8, bool A15, bool F32>
 void blocks_avx2(const Operands& a, int64_t R, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2; ++h) {
       int64_t r0 = 0;
-      for (; r0 + 4 <= R; r0 += 4) half_block_avx2<4, Q8, A15>(a, b, h, r0);
+      for (; r0 + 4 <= R; r0 += 4) half_block_avx2<4, Q8, A15, F32>(a, b, h, r0);
       switch (R - r0) {
-        case 3: half_block_avx2<3, Q8, A15>(a, b, h, r0); break;
-        case 2: half_block_avx2<2, Q8, A15>(a, b, h, r0); break;
-        case 1: half_block_avx2<1, Q8, A15>(a, b, h, r0); break;
+        case 3: half_block_avx2<3, Q8, A15, F32>(a, b, h, r0); break;
+        case 2: half_block_avx2<2, Q8, A15, F32>(a, b, h, r0); break;
+        case 1: half_block_avx2<1, Q8, A15, F32>(a, b, h, r0); break;
       }
     }
 }
@@ -220,7 +228,14 @@ static inline __m512i group_vnni(const __m512i w[8], const uint8_t* xg) {
   return _mm512_add_epi32(even, odd);
 }
 
-template <int RB, bool Q8, bool A15>
+// 16 scales (or mins) of a group's block, from float16 or float32 (F32).
+template <bool F32>
+static inline __m512 scales16(const void* p, int64_t i) {
+  if constexpr (F32) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+}
+
+template <int RB, bool Q8, bool A15, bool F32>
 void block_vnni(const Operands& a, int64_t b, int64_t r0) {
   const int64_t G = a.G, part = 64, group_bytes = Q8 ? 8 * part : 4 * part;
   const uint8_t* wb = a.q + b * G * group_bytes;
@@ -234,7 +249,7 @@ void block_vnni(const Operands& a, int64_t b, int64_t r0) {
     // (1.1-1.9x faster products at 1-32 rows than without on the VNNI path, benchmarks/history.md).
     for (int64_t l = 0; l < group_bytes; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(wg + G * group_bytes + l), _MM_HINT_T0);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + bg)));
+    const __m512 dw = scales16<F32>(a.d, bg);
     __m512i w[8];
     if constexpr (Q8) {
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(wg + c * part);
@@ -249,8 +264,7 @@ void block_vnni(const Operands& a, int64_t b, int64_t r0) {
     const __m512i bias = Q8 ? _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
                                   reinterpret_cast<const __m256i*>(a.qsum + bg))), 7)
                             : _mm512_setzero_si512();
-    const __m512 mv = Q8 ? _mm512_setzero_ps()
-                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + bg)));
+    const __m512 mv = Q8 ? _mm512_setzero_ps() : scales16<F32>(a.m, bg);
     for (int r = 0; r < RB; ++r) {
       const int64_t xo = (r0 + r) * a.I + g * GROUP;
       __m512i sum = _mm512_sub_epi32(group_vnni<Q8>(w, a.xq + xo), bias);
@@ -266,33 +280,33 @@ void block_vnni(const Operands& a, int64_t b, int64_t r0) {
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(a.out + (r0 + r) * a.O + o0, valid, acc[r]);
 }
 
-template <bool Q8, bool A15>
+template <bool Q8, bool A15, bool F32>
 void blocks_vnni(const Operands& a, int64_t R, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t r0 = 0;
-    for (; r0 + 8 <= R; r0 += 8) block_vnni<8, Q8, A15>(a, b, r0);
+    for (; r0 + 8 <= R; r0 += 8) block_vnni<8, Q8, A15, F32>(a, b, r0);
     switch (R - r0) {
-      case 7: block_vnni<7, Q8, A15>(a, b, r0); break;
-      case 6: block_vnni<6, Q8, A15>(a, b, r0); break;
-      case 5: block_vnni<5, Q8, A15>(a, b, r0); break;
-      case 4: block_vnni<4, Q8, A15>(a, b, r0); break;
-      case 3: block_vnni<3, Q8, A15>(a, b, r0); break;
-      case 2: block_vnni<2, Q8, A15>(a, b, r0); break;
-      case 1: block_vnni<1, Q8, A15>(a, b, r0); break;
+      case 7: block_vnni<7, Q8, A15, F32>(a, b, r0); break;
+      case 6: block_vnni<6, Q8, A15, F32>(a, b, r0); break;
+      case 5: block_vnni<5, Q8, A15, F32>(a, b, r0); break;
+      case 4: block_vnni<4, Q8, A15, F32>(a, b, r0); break;
+      case 3: block_vnni<3, Q8, A15, F32>(a, b, r0); break;
+      case 2: block_vnni<2, Q8, A15, F32>(a, b, r0); break;
+      case 1: block_vnni<1, Q8, A15, F32>(a, b, r0); break;
     }
   }
 }
 
 #pragma GCC pop_options
 
-template <bool Q8, bool A15>
+template <bool Q8, bool A15, bool F32>
 void blocks(const Operands& a, Isa isa, int64_t R, int64_t b0, int64_t b1) {
-  if (isa == AVX2) blocks_avx2<Q8, A15>(a, R, b0, b1);
-  else blocks_vnni<Q8, A15>(a, R, b0, b1);
+  if (isa == AVX2) blocks_avx2<Q8, A15, F32>(a, R, b0, b1);
+  else blocks_vnni<Q8, A15, F32>(a, R, b0, b1);
 }
 
 at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                              const uint16_t* mins, const int16_t* qsum, int64_t O, int64_t bits, int64_t isa_code) {
+                              const void* mins, const int16_t* qsum, int64_t O, int64_t bits, int64_t isa_code) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [R, I]");
   TORCH_CHECK(isa_code == AVX2 || isa_code == AVX512_VNNI, "isa: 0 (avx2) or 1 (avx512_vnni)");
   TORCH_CHECK(bits == 8 || bits == 15, "activation bits: 8 or 15");
@@ -300,8 +314,10 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const
   const int64_t R = x.size(0), I = x.size(1), G = I / GROUP, num_blocks = (O + BLOCK - 1) / BLOCK;
   TORCH_CHECK(I % GROUP == 0 && qweight.is_contiguous() && qweight.dim() == 2 && qweight.size(0) == num_blocks
               && qweight.size(1) == G * (q8 ? 512 : 256), "qweight: the packed [ceil(O / 16), I / 32 · bytes] of x's width");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == num_blocks * G * BLOCK,
-              "scales: contiguous float16 [ceil(O / 16), I / 32, 16]");
+  const bool f32 = scales.scalar_type() == at::kFloat;
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || (f32 && !q8)) && scales.is_contiguous()
+              && scales.numel() == num_blocks * G * BLOCK,
+              "scales: contiguous float16 [ceil(O / 16), I / 32, 16] (float32 too for Q4_1's layout)");
   const Isa isa = static_cast<Isa>(isa_code);
   const bool a15 = bits == 15;
   // x rounded: xd, xs [R, G] float32, then xq (and xl) [R, I] bytes, in one buffer kept per thread
@@ -315,12 +331,12 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const
   const float* xp = x.data_ptr<float>();
   const bool offset = q8 && isa == AVX512_VNNI;
   at::parallel_for(0, R, 32, [&](int64_t r0, int64_t r1) { quantize_rows(xp, xqp, xlp, xdp, xsp, I, r0, r1, offset); });
-  const Operands a{xqp, xlp, xdp, xsp, reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                   reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), mins, qsum, out.data_ptr<float>(),
-                   I, O, G};
+  const Operands a{xqp, xlp, xdp, xsp, reinterpret_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), mins,
+                   qsum, out.data_ptr<float>(), I, O, G};
   at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-    if (q8) a15 ? blocks<true, true>(a, isa, R, b0, b1) : blocks<true, false>(a, isa, R, b0, b1);
-    else a15 ? blocks<false, true>(a, isa, R, b0, b1) : blocks<false, false>(a, isa, R, b0, b1);
+    if (q8) a15 ? blocks<true, true, false>(a, isa, R, b0, b1) : blocks<true, false, false>(a, isa, R, b0, b1);
+    else if (f32) a15 ? blocks<false, true, true>(a, isa, R, b0, b1) : blocks<false, false, true>(a, isa, R, b0, b1);
+    else a15 ? blocks<false, true, false>(a, isa, R, b0, b1) : blocks<false, false, false>(a, isa, R, b0, b1);
   });
   return out;
 }
@@ -328,15 +344,14 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const
 }  // namespace
 
 // x [R, I] float32, rounded to `bits` (8 or 15), times a Q4_1 weight of O outputs packed as above
-// (qweight [ceil(O / 16), I / 32 · 256] uint8, scales and mins [ceil(O / 16), I / 32, 16] float16)
-// -> [R, O] float32. isa: 0 avx2, 1 avx512_vnni (the caller checks the CPU has it).
+// (qweight [ceil(O / 16), I / 32 · 256] uint8, scales and mins [ceil(O / 16), I / 32, 16] float16, or
+// both float32) -> [R, O] float32. isa: 0 avx2, 1 avx512_vnni (the caller checks the CPU has it).
 at::Tensor q4_1_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
                                int64_t out_features, int64_t bits, int64_t isa) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte, "qweight: uint8");
-  TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
-              "mins: contiguous float16, the scales' shape");
-  return int8_dot_linear(x, qweight, scales, reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), nullptr,
-                         out_features, bits, isa);
+  TORCH_CHECK(mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() && mins.sizes() == scales.sizes(),
+              "mins: contiguous, the scales' dtype and shape");
+  return int8_dot_linear(x, qweight, scales, mins.data_ptr(), nullptr, out_features, bits, isa);
 }
 
 // x [R, I] float32, rounded to `bits`, times a Q8_0 weight of O outputs packed as above (qweight
