@@ -1,7 +1,7 @@
 """CPU weight formats and the product that dispatches on them: float32 weights reordered for
 oneDNN, float16 weights through fbgemm, weights that are exactly Q4_1 or Q8_0 through tpspec's
 kernels (``layers.q4_1``, ``layers.q8_0``, and with activations rounded to integers
-``layers.int8_dot``); packed once at load (``pack_cpu_weights``), looked up by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
+``layers.int8_dot``, which takes Q5_0 and Q4_K weights too: ``layers.q5_0``, ``layers.q4_k``); packed once at load (``pack_cpu_weights``), looked up by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
 
 from __future__ import annotations
 
@@ -233,8 +233,8 @@ class PackedCPUWeight:
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> collections.Counter:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
-    exactly Q4_1 or Q8_0 in their kernels' (and in float16 for more rows), with "w4a8" or "w4a16" in the
-    integer kernels', the rest in float16; logs and returns how many weights each format got."""
+    exactly Q4_1 or Q8_0 (or Q5_0) in their kernels' (and in float16 for more rows), with "w4a8" or "w4a16"
+    those and Q4_K ones in the integer kernels', the rest in float16; logs and returns how many weights each format got."""
     formats = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):

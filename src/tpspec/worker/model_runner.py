@@ -88,8 +88,8 @@ class ModelRunner:
         formats = pack_cpu_weights(self.model, self.config.quantization)
         if self.config.batch_invariant and set(formats) - set(INTEGER_FORMATS):
             raise ValueError(
-                f"batch_invariant needs every linear weight in the integer kernels (exactly Q4_1 or Q8_0, as a Q4_1 "
-                f"GGUF's are); this model's formats: {dict(formats)}"
+                f"batch_invariant needs every linear weight in the integer kernels (exactly Q4_1, Q4_K, Q5_0 or Q8_0, "
+                f"as a Q4_1 GGUF's are); this model's formats: {dict(formats)}"
             )
         self.num_blocks = num_kv_blocks(self.config, self.device)
         self.kv_caches = allocate_kv_cache(
