@@ -1,7 +1,9 @@
 """CPU weight formats and the product that dispatches on them: float32 weights reordered for
 oneDNN, float16 weights through fbgemm, weights that are exactly Q4_1 or Q8_0 through tpspec's
 kernels (``layers.q4_1``, ``layers.q8_0``, and with activations rounded to integers
-``layers.int8_dot``, which takes Q5_0 and Q4_K weights too: ``layers.q5_0``, ``layers.q4_k``); packed once at load (``pack_cpu_weights``), looked up by weight in every product (``packed_weight_of``), and what ``--quantization auto`` picks."""
+``layers.int8_dot``, which takes Q5_0 and Q4_K weights too: ``layers.q5_0``, ``layers.q4_k``);
+packed once at load (``pack_cpu_weights``), looked up by weight in every product
+(``packed_weight_of``), and what ``--quantization auto`` picks."""
 
 from __future__ import annotations
 
