@@ -44,6 +44,16 @@ def q4_k_groups(out_features: int, in_features: int, seed: int = 0):
     return d.float() * sc, -(d.float() * 0.5).half().float() * mn, q
 
 
+def q6_k_groups(out_features: int, in_features: int, seed: int = 0):
+    """Random Q6_K groups as the loader gives them: a scale per 16 weights, S = d·sc with d float16
+    and an 8-bit sc (float32 values that are not float16 ones), d [out, groups, 2] float32, and
+    q [out, groups, 32] int8 in -32..31."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(out_features, in_features // 32, 1, generator=g) * 1e-3 + 1e-4).half().float()
+    sc = torch.randint(-128, 128, (out_features, in_features // 32, 2), generator=g)
+    return d * sc, torch.randint(-32, 32, (out_features, in_features // 32, 32), generator=g, dtype=torch.int8)
+
+
 def q8_0_groups(out_features: int, in_features: int, seed: int = 0):
     """Random Q8_0 groups: d [out, groups] float16 and q [out, groups, 32] int8 in -127..127."""
     g = torch.Generator().manual_seed(seed)
@@ -52,8 +62,12 @@ def q8_0_groups(out_features: int, in_features: int, seed: int = 0):
 
 
 def reference(x: torch.Tensor, bits: int, d, q, m=None) -> torch.Tensor:
-    """Σ over groups of dw·dx·Σ q·qx (+ m·dx·Σ qx) in float64, x rounded as the kernel rounds it."""
+    """Σ over groups of dw·dx·Σ q·qx (+ m·dx·Σ qx) in float64, x rounded as the kernel rounds it;
+    d [out, groups, 2]: a scale per 16 weights (Q6_K's)."""
     qx, dx = int8_dot.round_activations(x, bits)  # [rows, groups, 32], [rows, groups]
+    if d.dim() == 3:
+        halves = torch.einsum("rghk,oghk->rogh", qx.double().unflatten(-1, (2, 16)), q.double().unflatten(-1, (2, 16)))
+        return ((halves * d.double()[None]).sum(-1) * dx.double()[:, None]).sum(-1)
     dots = torch.einsum("rgk,ogk->rog", qx.double(), q.double())  # exact: integers below 2**53
     out = dots * dx.double()[:, None] * d.double()[None]
     if m is not None:
@@ -106,7 +120,7 @@ def test_exact_weights_are_recovered_and_others_left_alone():
 @needs_kernel
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [8, 15])
-@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q8_0", "q6_k"])
 # 40 outputs: two blocks and a half one; 3 groups, 18 (the default model's width), 9 (a TP 2 shard's)
 @pytest.mark.parametrize("out_features, in_features", [(40, 96), (16, 576), (72, 288)])
 def test_every_row_count_is_the_reference_and_each_row_its_own(kind, bits, path, out_features, in_features):
@@ -114,6 +128,9 @@ def test_every_row_count_is_the_reference_and_each_row_its_own(kind, bits, path,
         d, m, q = (q4_1_groups if kind == "q4_1" else q4_k_groups)(out_features, in_features)
         weight = int8_dot.pack_q4_1(d, m, q, bits)
         assert weight.scales.dtype == weight.mins.dtype == d.dtype
+    elif kind == "q6_k":  # Q8_0's layout with a float32 scale per 16 weights
+        (d, q), m = q6_k_groups(out_features, in_features), None
+        weight = int8_dot.pack_q6_k(d, q, bits)
     else:
         (d, q), m = q8_0_groups(out_features, in_features), None
         weight = int8_dot.pack_q8_0(d, q, bits)
@@ -129,11 +146,12 @@ def test_every_row_count_is_the_reference_and_each_row_its_own(kind, bits, path,
 @needs_kernel
 @pytest.mark.skipif(not HAS_VNNI, reason="the CPU lacks AVX-512 VNNI")
 @pytest.mark.parametrize("bits", [8, 15])
-@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_k", "q8_0", "q6_k"])
 def test_both_paths_give_the_same_bits(kind, bits):
     d, m, q = (q4_k_groups if kind == "q4_k" else q4_1_groups)(48, 576, seed=3)
-    weight = (int8_dot.pack_q4_1(d, m, q, bits) if kind != "q8_0"
-              else int8_dot.pack_q8_0(*q8_0_groups(48, 576, seed=3), bits))
+    weight = (int8_dot.pack_q8_0(*q8_0_groups(48, 576, seed=3), bits) if kind == "q8_0"
+              else int8_dot.pack_q6_k(*q6_k_groups(48, 576, seed=3), bits) if kind == "q6_k"
+              else int8_dot.pack_q4_1(d, m, q, bits))
     x = torch.randn(37, 576) * 3
     assert torch.equal(run(kind, x, weight, "avx2"), run(kind, x, weight, "avx512_vnni"))
 

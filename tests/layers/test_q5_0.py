@@ -6,23 +6,17 @@ every quantization method that has them, their products those of the recovered w
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from tests.layers.gguf_weights import gguf_round_trip
 from tpspec.layers import cpu_kernels, int8_dot, q5_0, q8_0
 from tpspec.layers.cpu_weights import pack_cpu_weights, packed_weight_of
 from tpspec.layers.linear import LinearBase
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                   reason=f"no CPU kernels here: {cpu_kernels.unavailable()}")
-
-
-def gguf_round_trip(w: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """``w`` quantized and dequantized by gguf-py, as a GGUF file of it would load."""
-    data = gguf.quants.quantize(w.numpy(), kind)
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, kind))).float().view(w.shape)
 
 
 def weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:

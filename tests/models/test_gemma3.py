@@ -21,6 +21,7 @@ from tests.reference_models import transformers_gguf_model
 from tpspec import LLM, SamplingParams
 from tpspec.bench.datasets import humaneval_prompts
 from tpspec.config import ModelArchConfig
+from tpspec.layers import cpu_kernels
 from tpspec.layers.attention import AttentionMetadata, allocate_kv_cache
 from tpspec.models.loader.resolve import resolve_model
 from tpspec.models.loader.safetensors import iterate_weights
@@ -156,3 +157,24 @@ def test_the_shipped_dflash_drafter_is_lossless(folder, prompts, flag):
     assert [o.outputs[0].token_ids for o in outs] == _generate(folder, 1, prompts, GREEDY)
     assert stats["num_accepted_tokens"] > 0
     assert stats["comm_bytes_per_row"]["draft.sample"] == (8 * 2 if flag else 4 * VOCAB)
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason="no CPU kernels here")
+def test_every_weight_takes_the_integer_kernels_and_output_is_batch_invariant(folder, prompts):
+    """Its GGUF's Q5_0, Q8_0, Q4_K and Q6_K weights all run through the integer kernels (none as a
+    float16 copy: ``batch_invariant`` refuses to start otherwise), so a request's output does not
+    depend on what shares its steps: the long prompt's greedy tokens and logprobs are the same bits
+    alone and among other requests, prefilled whole and in chunks."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def tokens_and_logprobs(output):
+        o = output.outputs[0]
+        return list(o.token_ids), [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]
+
+    with LLM(GEMMA, batch_invariant=True, enable_prefix_caching=False, **ENGINE) as llm:
+        alone = tokens_and_logprobs(llm.generate([prompts["long"]], params, use_tqdm=False)[0])
+        others = [prompts["short"], prompts["long"][:300], prompts["short"] * 3]
+        batch = llm.generate([others[0], prompts["long"], *others[1:]], params, use_tqdm=False)
+        assert tokens_and_logprobs(batch[1]) == alone
+    with LLM(GEMMA, batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=96, **ENGINE) as llm:
+        assert tokens_and_logprobs(llm.generate([prompts["long"]], params, use_tqdm=False)[0]) == alone  # in chunks

@@ -1,7 +1,7 @@
 """CPU weight formats and the product that dispatches on them: float32 weights reordered for
 oneDNN, float16 weights through fbgemm, weights that are exactly Q4_1 or Q8_0 through tpspec's
 kernels (``layers.q4_1``, ``layers.q8_0``, and with activations rounded to integers
-``layers.int8_dot``, which takes Q5_0 and Q4_K weights too: ``layers.q5_0``, ``layers.q4_k``);
+``layers.int8_dot``, which takes Q5_0, Q4_K and Q6_K weights too: ``layers.q5_0``, ``q4_k``, ``q6_k``);
 packed once at load (``pack_cpu_weights``), looked up by weight in every product
 (``packed_weight_of``), and what ``--quantization auto`` picks."""
 
@@ -51,14 +51,16 @@ QUANTIZED_MAX_ROWS = 8
 # What each --quantization packs an exactly-Q4_1 weight, an exactly-Q8_0 one and any other in (the
 # integer kernels of "w4a8" and "w4a16" take every row count: no float16 copy; "w4a16-fp16" takes
 # w4a16's up to QUANTIZED_MAX_ROWS rows and a float16 copy past them, as "q4_1" does with its own).
-# A Q5_0 weight (Gemma 3's) is packed as Q8_0 groups (layers.q5_0), a Q4_K one as Q4_1 groups with float32
-# scales (layers.q4_k) by the integer kernels.
+# A Q5_0 weight (Gemma 3's) is packed as Q8_0 groups (layers.q5_0); by the integer kernels a Q4_K one as
+# Q4_1 groups with float32 scales (layers.q4_k), a Q6_K one as Q8_0 groups with a float32 scale per 16
+# weights (layers.q6_k).
 EXACT_FORMATS = {
     "q4_1": (("q4_1", q4_1.quantize_exact), ("q8_0", q8_0.quantize_exact), ("q8_0", q5_0.quantize_exact)),
     **{method: ((f"q4_1_int8{tail}", functools.partial(int8_dot.quantize_exact_q4_1, activation_bits=bits)),
                 (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q8_0, activation_bits=bits)),
                 (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q5_0, activation_bits=bits)),
-                (f"q4_1_int8{tail}", functools.partial(int8_dot.quantize_exact_q4_k, activation_bits=bits)))
+                (f"q4_1_int8{tail}", functools.partial(int8_dot.quantize_exact_q4_k, activation_bits=bits)),
+                (f"q8_0_int8{tail}", functools.partial(int8_dot.quantize_exact_q6_k, activation_bits=bits)))
        for method, bits, tail in (("w4a8", 8, ""), ("w4a16", 15, ""), ("w4a16-fp16", 15, "_fp16"))},
 }
 INTEGER_FORMATS = ("q4_1_int8", "q8_0_int8")  # the packed formats of the integer kernels (batch-invariant)
@@ -236,7 +238,7 @@ def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> colle
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
     exactly Q4_1 or Q8_0 (or Q5_0) in their kernels' (and in float16 for more rows), with "w4a8" or "w4a16"
-    those and Q4_K ones in the integer kernels', the rest in float16; logs and returns how many weights each format got."""
+    those and Q4_K and Q6_K ones in the integer kernels', the rest in float16; logs and returns how many weights each format got."""
     formats = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):

@@ -1,5 +1,5 @@
-"""Q4_1 and Q8_0 weights (and Q5_0's as Q8_0 groups, Q4_K's as Q4_1 groups with float32 scales) times
-activations rounded to integers, in 8-bit integer multiply-adds (``--quantization w4a8`` and
+"""Q4_1 and Q8_0 weights (and Q5_0's as Q8_0 groups, Q4_K's as Q4_1 groups with float32 scales, Q6_K's
+as Q8_0 groups with a float32 scale per 16 weights) times activations rounded to integers, in 8-bit integer multiply-adds (``--quantization w4a8`` and
 ``w4a16``; ``csrc/int8_dot_linear.cpp``, one of ``cpu_kernels``).
 
 Each product rounds its input rows once, per 32 values, to ``activation_bits`` (x ≈ dx·qx with
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpspec.layers import cpu_kernels, q4_1, q4_k, q5_0, q8_0
+from tpspec.layers import cpu_kernels, q4_1, q4_k, q5_0, q6_k, q8_0
 
 GROUP = 32  # values per group: one dw (and m) per weight group, one dx per activation group
 BLOCK = 16  # outputs the kernel takes at a time, their weights interleaved
@@ -48,8 +48,8 @@ class Q8_0Int8Weight:
     out_features: int
     activation_bits: int  # a key of ACTIVATION_QMAX
     qweight: torch.Tensor  # [blocks, groups · 512] int8: blocks of 16 outputs, interleaved 4 weights at a time
-    scales: torch.Tensor  # [blocks, groups, 16] float16: d
-    qsums: torch.Tensor  # [blocks, groups, 16] int16: Σ q over each group
+    scales: torch.Tensor  # [blocks, groups, 16] float16: d (Q6_K's: [blocks, groups, 2, 16] float32, per 16 weights)
+    qsums: torch.Tensor  # [blocks, groups, 16] int16: Σ q over each group (Q6_K's: as its scales, int16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,6 +82,11 @@ def _group_params(t: torch.Tensor) -> torch.Tensor:
     return _blocks(t).transpose(1, 2).contiguous()
 
 
+def _half_group_params(t: torch.Tensor) -> torch.Tensor:
+    """t [out, groups, 2] -> [blocks, groups, 2, 16]."""
+    return _blocks(t).permute(0, 2, 3, 1).contiguous()
+
+
 def pack_q4_1(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor, activation_bits: int = 8) -> Q4_1Int8Weight:
     """Q4_1 groups (d, m [out, groups] float16, q [out, groups, 32] uint8 in 0..15) in the kernel's
     layout: per block and group 4 parts of 64 bytes, byte 4j + i of part l holding weight 4l + i
@@ -99,6 +104,16 @@ def pack_q8_0(d: torch.Tensor, q: torch.Tensor, activation_bits: int = 8) -> Q8_
     qsums = q.to(torch.int16).sum(-1, dtype=torch.int16)  # |Σ| <= 32 · 127
     return Q8_0Int8Weight(q.shape[0], activation_bits, chunks.reshape(chunks.shape[0], -1).contiguous(), _group_params(d),
                           _group_params(qsums))
+
+
+def pack_q6_k(d: torch.Tensor, q: torch.Tensor, activation_bits: int = 8) -> Q8_0Int8Weight:
+    """Groups of two 16-weight halves (d [out, groups, 2] float32, q [out, groups, 32] int8: weight j
+    of a group times d[..., j // 16]) in Q8_0's layout with a float32 scale per half: scales and Σ q
+    [blocks, groups, 2, 16]."""
+    chunks = _interleave(q)  # [blocks, groups, 8, 16, 4]
+    qsums = q.view(*q.shape[:2], 2, GROUP // 2).to(torch.int16).sum(-1, dtype=torch.int16)  # [out, groups, 2]
+    return Q8_0Int8Weight(q.shape[0], activation_bits, chunks.reshape(chunks.shape[0], -1).contiguous(),
+                          _half_group_params(d), _half_group_params(qsums))
 
 
 def quantize_exact_q4_1(w: torch.Tensor, activation_bits: int) -> Q4_1Int8Weight | None:
@@ -120,6 +135,13 @@ def quantize_exact_q4_k(w: torch.Tensor, activation_bits: int) -> Q4_1Int8Weight
     exactly D·q + M with a 4-bit q (Q4_K's: ``q4_k.exact_groups``), else None."""
     groups = q4_k.exact_groups(w)
     return None if groups is None else pack_q4_1(*groups, activation_bits)
+
+
+def quantize_exact_q6_k(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight | None:
+    """``w`` ([out, in] float32) in Q8_0's layout with a float32 scale per 16 weights if each 16 are
+    exactly S·k with whole numbers |k| ≤ 32 (Q6_K's: ``q6_k.exact_groups``), else None."""
+    groups = q6_k.exact_groups(w)
+    return None if groups is None else pack_q6_k(*groups, activation_bits)
 
 
 def quantize_exact_q5_0(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight | None:

@@ -88,7 +88,7 @@ class ModelRunner:
         formats = pack_cpu_weights(self.model, self.config.quantization)
         if self.config.batch_invariant and set(formats) - set(INTEGER_FORMATS):
             raise ValueError(
-                f"batch_invariant needs every linear weight in the integer kernels (exactly Q4_1, Q4_K, Q5_0 or Q8_0, "
+                f"batch_invariant needs every linear weight in the integer kernels (exactly Q4_1, Q4_K, Q5_0, Q6_K or Q8_0, "
                 f"as a Q4_1 GGUF's are); this model's formats: {dict(formats)}"
             )
         self.num_blocks = num_kv_blocks(self.config, self.device)

@@ -22,7 +22,9 @@
 // (high nibble) of output j. Q8_0: 512 bytes, 8 x 64: byte 4j + i of part c holds weight 4c + i of
 // output j, signed; with it Σ q over the group per output (int16), for vpdpbusd's unsigned x.
 // Scales d, mins m: float16 [blocks, groups, 16]; float32 for Q4_1's layout holding groups whose d and m
-// are not float16 values (Q4_K's: a float16 times a 6-bit integer, tpspec.layers.q4_k).
+// are not float16 values (Q4_K's: a float16 times a 6-bit integer, tpspec.layers.q4_k). Q8_0's layout
+// with float32 scales holds Q6_K's groups (tpspec.layers.q6_k): a scale per 16 weights, [blocks, groups,
+// 2, 16] (and Σ q likewise), weights 0-15 (chunks 0-3) and 16-31 (chunks 4-7) summed apart.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -142,25 +144,32 @@ void half_block_avx2(const Operands& a, int64_t b, int h, int64_t r0) {
     if (h == 0)  // the next block's same group, a block ahead (as block_vnni prefetches)
       for (int64_t l = 0; l < group_bytes; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wg + G * group_bytes + l), _MM_HINT_T0);
-    const __m256 dw = scales8<F32>(a.d, (b * G + g) * BLOCK + 8 * h);
     if constexpr (Q8) {
+      constexpr int HALVES = F32 ? 2 : 1;  // Q6_K: a scale per 16 weights, chunks 0-3 and 4-7 apart
+      __m256 dw[HALVES];
+      for (int k = 0; k < HALVES; ++k) dw[k] = scales8<F32>(a.d, ((b * G + g) * HALVES + k) * BLOCK + 8 * h);
       for (int r = 0; r < RB; ++r) {
         const uint8_t* xg = a.xq + (r0 + r) * a.I + g * GROUP;
         const uint8_t* lg = A15 ? a.xl + (r0 + r) * a.I + g * GROUP : nullptr;
-        __m256i sum = _mm256_setzero_si256(), low_sum = _mm256_setzero_si256();
+        __m256i sum[HALVES], low_sum[HALVES];
+        for (int k = 0; k < HALVES; ++k) sum[k] = low_sum[k] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
+          const int k = HALVES == 2 ? c / 4 : 0;
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * part));
           const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x_chunk(xg + 4 * c)), w);
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), x), ones));
+          sum[k] = _mm256_add_epi32(sum[k], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), x), ones));
           if constexpr (A15)  // l is unsigned: the weights' signs stay where they are
-            low_sum = _mm256_add_epi32(low_sum, _mm256_madd_epi16(
+            low_sum[k] = _mm256_add_epi32(low_sum[k], _mm256_madd_epi16(
                 _mm256_maddubs_epi16(_mm256_set1_epi32(x_chunk(lg + 4 * c)), w), ones));
         }
-        if constexpr (A15) sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 7), low_sum);
-        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dw);
-        acc[r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(a.xd + (r0 + r) * G + g), acc[r]);
+        for (int k = 0; k < HALVES; ++k) {
+          if constexpr (A15) sum[k] = _mm256_add_epi32(_mm256_slli_epi32(sum[k], 7), low_sum[k]);
+          const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[k]), dw[k]);
+          acc[r] = _mm256_fmadd_ps(s, _mm256_broadcast_ss(a.xd + (r0 + r) * G + g), acc[r]);
+        }
       }
     } else {
+      const __m256 dw = scales8<F32>(a.d, (b * G + g) * BLOCK + 8 * h);
       __m256i w[8];  // chunk c: weights 4c .. 4c+3 of the 8 outputs
       for (int l = 0; l < 4; ++l) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + l * part));
@@ -228,6 +237,16 @@ static inline __m512i group_vnni(const __m512i w[8], const uint8_t* xg) {
   return _mm512_add_epi32(even, odd);
 }
 
+// The same over half a group, weights 16·k .. 16·k + 15 (chunks 4k .. 4k + 3): Q6_K's groups.
+static inline __m512i half_group_vnni(const __m512i w[8], const uint8_t* xg, int k) {
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int c = 4 * k; c < 4 * k + 4; c += 2) {
+    even = _mm512_dpbusd_epi32(even, _mm512_set1_epi32(x_chunk(xg + 4 * c)), w[c]);
+    odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(x_chunk(xg + 4 * c + 4)), w[c + 1]);
+  }
+  return _mm512_add_epi32(even, odd);
+}
+
 // 16 scales (or mins) of a group's block, from float16 or float32 (F32).
 template <bool F32>
 static inline __m512 scales16(const void* p, int64_t i) {
@@ -249,7 +268,6 @@ void block_vnni(const Operands& a, int64_t b, int64_t r0) {
     // (1.1-1.9x faster products at 1-32 rows than without on the VNNI path, benchmarks/history.md).
     for (int64_t l = 0; l < group_bytes; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(wg + G * group_bytes + l), _MM_HINT_T0);
-    const __m512 dw = scales16<F32>(a.d, bg);
     __m512i w[8];
     if constexpr (Q8) {
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(wg + c * part);
@@ -260,6 +278,26 @@ void block_vnni(const Operands& a, int64_t b, int64_t r0) {
         w[l + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
     }
+    if constexpr (Q8 && F32) {  // Q6_K: a scale (and Σ q) per 16 weights, the halves summed apart
+      __m512 dw[2];
+      __m512i bias[2];
+      for (int k = 0; k < 2; ++k) {
+        dw[k] = scales16<true>(a.d, (b * G + g) * 2 * BLOCK + k * BLOCK);
+        bias[k] = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a.qsum + (b * G + g) * 2 * BLOCK + k * BLOCK))), 7);
+      }
+      for (int r = 0; r < RB; ++r) {
+        const int64_t xo = (r0 + r) * a.I + g * GROUP;
+        for (int k = 0; k < 2; ++k) {
+          __m512i sum = _mm512_sub_epi32(half_group_vnni(w, a.xq + xo, k), bias[k]);
+          if constexpr (A15) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7), half_group_vnni(w, a.xl + xo, k));
+          const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw[k]);
+          acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(a.xd[(r0 + r) * G + g]), acc[r]);
+        }
+      }
+      continue;
+    }
+    const __m512 dw = scales16<F32>(a.d, bg);
     // Q8_0: x is stored qx + 128 (vpdpbusd's unsigned operand), so Σ (qx + 128)·q − 128·Σ q
     const __m512i bias = Q8 ? _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
                                   reinterpret_cast<const __m256i*>(a.qsum + bg))), 7)
@@ -315,9 +353,10 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const
   TORCH_CHECK(I % GROUP == 0 && qweight.is_contiguous() && qweight.dim() == 2 && qweight.size(0) == num_blocks
               && qweight.size(1) == G * (q8 ? 512 : 256), "qweight: the packed [ceil(O / 16), I / 32 · bytes] of x's width");
   const bool f32 = scales.scalar_type() == at::kFloat;
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || (f32 && !q8)) && scales.is_contiguous()
-              && scales.numel() == num_blocks * G * BLOCK,
-              "scales: contiguous float16 [ceil(O / 16), I / 32, 16] (float32 too for Q4_1's layout)");
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || f32) && scales.is_contiguous()
+              && scales.numel() == num_blocks * G * BLOCK * (q8 && f32 ? 2 : 1),
+              "scales: contiguous float16 [ceil(O / 16), I / 32, 16] or float32 (Q4_1's layout); Q8_0's layout with "
+              "float32 [ceil(O / 16), I / 32, 2, 16]");
   const Isa isa = static_cast<Isa>(isa_code);
   const bool a15 = bits == 15;
   // x rounded: xd, xs [R, G] float32, then xq (and xl) [R, I] bytes, in one buffer kept per thread
@@ -334,7 +373,8 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const
   const Operands a{xqp, xlp, xdp, xsp, reinterpret_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), mins,
                    qsum, out.data_ptr<float>(), I, O, G};
   at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-    if (q8) a15 ? blocks<true, true, false>(a, isa, R, b0, b1) : blocks<true, false, false>(a, isa, R, b0, b1);
+    if (q8 && f32) a15 ? blocks<true, true, true>(a, isa, R, b0, b1) : blocks<true, false, true>(a, isa, R, b0, b1);
+    else if (q8) a15 ? blocks<true, true, false>(a, isa, R, b0, b1) : blocks<true, false, false>(a, isa, R, b0, b1);
     else if (f32) a15 ? blocks<false, true, true>(a, isa, R, b0, b1) : blocks<false, false, true>(a, isa, R, b0, b1);
     else a15 ? blocks<false, true, false>(a, isa, R, b0, b1) : blocks<false, false, false>(a, isa, R, b0, b1);
   });
@@ -355,8 +395,8 @@ at::Tensor q4_1_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,
 }
 
 // x [R, I] float32, rounded to `bits`, times a Q8_0 weight of O outputs packed as above (qweight
-// [ceil(O / 16), I / 32 · 512] int8, scales [ceil(O / 16), I / 32, 16] float16, qsums likewise int16)
-// -> [R, O] float32.
+// [ceil(O / 16), I / 32 · 512] int8, scales [ceil(O / 16), I / 32, 16] float16, qsums likewise int16;
+// Q6_K's: scales float32 [ceil(O / 16), I / 32, 2, 16], qsums likewise) -> [R, O] float32.
 at::Tensor q8_0_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor qsums,
                                int64_t out_features, int64_t bits, int64_t isa) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight: int8");
