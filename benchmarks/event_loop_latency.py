@@ -46,8 +46,15 @@ def post(url: str, body: dict) -> float:
 
 def health_latencies(url: str, body: dict, max_polls: int) -> tuple[list[float], float]:
     """/health latencies (ms) while ``body`` is served, and that request's latency (s)."""
-    latency = []
-    worker = threading.Thread(target=lambda: latency.append(post(url, body)))
+    latency, errors = [], []
+
+    def send() -> None:
+        try:
+            latency.append(post(url, body))
+        except Exception as e:  # noqa: BLE001 - reported below, in this thread
+            errors.append(e)
+
+    worker = threading.Thread(target=send)
     worker.start()
     time.sleep(0.05)
     polls = []
@@ -58,6 +65,10 @@ def health_latencies(url: str, body: dict, max_polls: int) -> tuple[list[float],
         polls.append(1000 * (time.perf_counter() - t0))
         time.sleep(0.003)
     worker.join()
+    if errors:
+        raise SystemExit(f"the request failed: {errors[0]!r}")
+    if not polls:
+        raise SystemExit("the request ended before the first poll: make it longer (--prompt-lines, --decode-tokens)")
     return polls, latency[0]
 
 

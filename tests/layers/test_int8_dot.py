@@ -219,3 +219,15 @@ def test_integer_methods_pack_exact_weights_in_the_integer_kernels_without_a_flo
     x = torch.randn(3, 96)
     assert torch.equal(layers[0](x), int8_dot.int8_linear(x, again[0].data))
     assert torch.equal(layers[0](x), int8_dot.int8_linear(x * 2, formats[0].data))  # x·(2W) = (2x)·W, exactly
+
+
+@needs_kernel
+def test_scales_of_another_shape_are_refused():
+    """Q6_K's per-16 scales are [blocks, groups, 2, 16]: the same elements in another order are refused."""
+    weight = int8_dot.pack_q6_k(*q6_k_groups(32, 96), 15)
+    k, x = cpu_kernels.kernels(), torch.randn(2, 96)
+    scales = weight.scales.transpose(1, 2).contiguous()  # [blocks, 2, groups, 16]
+    with pytest.raises(RuntimeError, match="scales"):
+        k.q8_0_int8_linear(x, weight.qweight, scales, weight.qsums, 32, 15, 0)
+    with pytest.raises(RuntimeError, match="scales"):  # float16 in the per-16 shape
+        k.q8_0_int8_linear(x, weight.qweight, weight.scales.half(), weight.qsums, 32, 15, 0)

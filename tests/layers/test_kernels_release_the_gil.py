@@ -1,7 +1,7 @@
 """Every CPU kernel (layers.cpu_kernels, csrc/bindings.cpp) called on a large input runs with the GIL
 released: another Python thread (a server's HTTP event loop beside the engine thread) runs while the
 kernel computes, instead of waiting for it to return; a decode-sized call keeps the GIL (releasing it
-would cost more than the call's wait). Measured, not read from the source: a thread that counts
+would cost more than the call's wait), a one-row product of a large weight (an LM head) does not. Measured, not read from the source: a thread that counts
 (giving the GIL up after each count) advances during the kernel calls alone, with the interpreter's
 switch interval raised so that nothing but a released GIL lets it in. A kernel that holds the GIL
 leaves the count exactly where it was."""
@@ -27,7 +27,7 @@ KERNELS = ["q4_1_linear", "q8_0_linear", "q4_1_int8_linear", "q8_0_int8_linear",
 
 @pytest.fixture(scope="module")
 def calls() -> dict:
-    """Per kernel: a call of it on inputs above ``RELEASE_ELEMENTS`` (built here, so
+    """Per kernel: a call of it on inputs above ``RELEASE_ELEMENTS`` or ``RELEASE_WORK`` (built here, so
     that no PyTorch op, which releases the GIL itself, runs inside the timed calls)."""
     k, g = cpu_kernels.kernels(), torch.Generator().manual_seed(0)
     rows, width = 64, 2048
@@ -98,11 +98,11 @@ def _counts_during(call, seconds: float = 0.2) -> int:
 
 
 def test_every_kernel_is_timed_here(calls):
-    """``KERNELS`` is the module's list: a new kernel needs a call here (and NoGIL in bindings.cpp)."""
+    """``KERNELS`` is the module's list: a new kernel needs a call here (and its size in bindings.cpp)."""
     module = cpu_kernels.kernels()
     exported = {name for name in dir(module) if not name.startswith("_") and callable(getattr(module, name))}
     assert exported == set(KERNELS) == set(calls)
-    assert module.RELEASE_ELEMENTS == 1 << 16
+    assert module.RELEASE_ELEMENTS == 1 << 16 and module.RELEASE_WORK == 1 << 21
 
 
 def test_a_call_that_holds_the_gil_leaves_the_count_alone():
@@ -118,11 +118,32 @@ def test_a_kernel_lets_another_thread_run(calls, name):
 
 
 def test_a_decode_sized_call_keeps_the_gil():
-    """One sequence's rotary (9 heads of 64) and argmax (a vocabulary of 49,152 would be above the
-    bound; 8,192 draft logits are not): under ``RELEASE_ELEMENTS``, no switch."""
-    k = cpu_kernels.kernels()
+    """One sequence's rotary (9 heads of 64), its argmax over 8,192 draft logits, its product by a
+    layer's 576 x 576 weight and its attention over 1,000 keys: under the bounds, no switch."""
+    k, g = cpu_kernels.kernels(), torch.Generator().manual_seed(0)
     x, cos, sin = torch.randn(1, 9, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)
     logits = torch.randn(1, 8192)
+    layer = int8_dot.quantize_exact_q4_1(q4_1.round_to_q4_1(torch.randn(576, 576, generator=g) * 0.05), 15)
+    row = torch.randn(1, 576)
+    keys = 1000
+    k_cache, v_cache = torch.randn(2, keys, 3, 64, generator=g)
+    slots = torch.arange(keys).view(1, keys)
+    ranges, seq, kv_head = torch.tensor([[0, keys]]), torch.zeros(1, dtype=torch.int64), torch.arange(9) // 3
     assert x.numel() < k.RELEASE_ELEMENTS and logits.numel() < k.RELEASE_ELEMENTS
+    assert layer.qweight.nbytes < k.RELEASE_WORK and x.numel() * keys < k.RELEASE_WORK
     assert _counts_during(lambda: k.rotary(x, cos, sin)) == 0
     assert _counts_during(lambda: k.argmax_rows(logits)) == 0
+    assert _counts_during(lambda: k.q4_1_int8_linear(row, layer.qweight, layer.scales, layer.mins, 576, 15, AVX2)) == 0
+    assert _counts_during(lambda: k.paged_attention(x, k_cache, v_cache, slots, seq, ranges, kv_head, 0.125, False)) == 0
+
+
+def test_a_one_row_product_of_a_large_weight_releases_it():
+    """An LM head at one sequence: one row, but all of an 8,192 x 576 Q8_0 weight's 4.7 MB read."""
+    k, g = cpu_kernels.kernels(), torch.Generator().manual_seed(0)
+    d = (torch.rand(8192, 18, 1, generator=g) * 0.01 + 1e-3).half()
+    q = torch.randint(-127, 128, (8192, 18, q8_0.GROUP), generator=g, dtype=torch.int8)
+    q[..., 0] = 127
+    head = int8_dot.quantize_exact_q8_0((d.float() * q).flatten(1), 15)
+    row = torch.randn(1, 576)
+    assert row.shape[0] * head.qweight.nbytes >= k.RELEASE_WORK
+    assert _counts_during(lambda: k.q8_0_int8_linear(row, head.qweight, head.scales, head.qsums, 8192, 15, AVX2)) > 0

@@ -28,6 +28,18 @@ def test_gguf_q4_k_weights_are_recovered(in_features):
     assert not torch.equal(d.half().float(), d)  # not float16 values: Q4_1's own layout could not hold them
 
 
+def test_a_constant_group_and_a_coarser_grid_are_recovered():
+    """A group of one value (D = 0, q = 0, M that value) and one on every other level (a grid of 7 steps
+    of 2D fits it as well as 15 of D: the finest that fits is taken, and gives every weight)."""
+    w = dequantized(gguf.GGMLQuantizationType.Q4_K, 4, 256)
+    w[0, :32] = 0.25
+    w[1, :32] = 0.5 - 0.125 * torch.arange(32).remainder(8) * 2  # levels 0, 2, ..., 14 of D = 0.125
+    d, m, q = q4_k.exact_groups(w)
+    assert d[0, 0] == 0 and m[0, 0] == 0.25 and q[0, 0].eq(0).all()
+    assert d[1, 0] == 0.125 and q[1, 0].max() == 14
+    assert torch.equal((d.double()[..., None] * q + m.double()[..., None]).flatten(1), w.double())
+
+
 def test_weights_that_are_not_q4_k_are_left_alone():
     w = dequantized(gguf.GGMLQuantizationType.Q4_K, 8, 256)
     assert q4_k.exact_groups(torch.randn(8, 256)) is None

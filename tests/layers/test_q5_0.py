@@ -37,11 +37,6 @@ def test_gguf_q5_0_weights_are_recovered(in_features):
     assert torch.equal(q8_0.dequantize(q5_0.quantize_exact(w)), w)
 
 
-def test_round_to_q5_0_is_gguf_py_s_rounding():
-    w = weight(16, 640, seed=3)
-    assert torch.equal(q5_0.round_to_q5_0(w), gguf_round_trip(w, gguf.GGMLQuantizationType.Q5_0))
-
-
 def test_a_merged_weight_of_q5_0_and_q8_0_rows_is_recovered():
     """Gemma 3's q/k/v in half its layers: q and k Q5_0, v Q8_0, merged into one weight."""
     rows = [gguf_round_trip(weight(32, 640, seed=1), gguf.GGMLQuantizationType.Q5_0),

@@ -30,6 +30,14 @@ def test_gguf_q6_k_weights_are_recovered(in_features):
     assert not torch.equal(d.half().float(), d)  # not float16 values
 
 
+def test_an_all_zero_half_is_recovered():
+    w = dequantized(Q6_K, 4, 256)
+    w[2, 16:32] = 0  # the second half of a group
+    d, k = q6_k.exact_groups(w)
+    assert d[2, 0, 1] == 0 and k[2, 0, 16:].eq(0).all() and d[2, 0, 0] > 0
+    assert torch.equal((d.double().repeat_interleave(16, -1) * k).flatten(1), w.double())
+
+
 def test_weights_that_are_not_q6_k_are_left_alone():
     w = dequantized(Q6_K, 8, 256)
     assert q6_k.exact_groups(torch.randn(8, 256)) is None

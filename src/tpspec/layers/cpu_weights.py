@@ -120,7 +120,8 @@ def _packable(w: torch.Tensor) -> bool:
 
 def _pack(w: torch.Tensor, fmt: str) -> PackedWeight:
     """``w`` packed in ``fmt``; "q4_1", "w4a8", "w4a16" and "w4a16-fp16" give their Q4_1 or Q8_0 format where ``w`` is
-    exactly such (``EXACT_FORMATS``), "fp16" where it is neither."""
+    exactly Q4_1 or Q8_0, or another format those layouts hold (Q5_0; Q4_K and Q6_K in the integer kernels':
+    ``EXACT_FORMATS``), "fp16" where it is none."""
     if fmt in EXACT_FORMATS:
         for name, quantize_exact in EXACT_FORMATS[fmt]:
             exact = quantize_exact(w.detach())

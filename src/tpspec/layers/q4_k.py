@@ -21,7 +21,8 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     and M and q in 0..15: D, M [out, groups] float32 and q [out, groups, 32] uint8; else None.
     M is the group's least weight and D its span over the most levels n ≤ 15 that keep every
     weight on the grid (the span is D·(q_max − q_min) of the format's own q; a finer grid is found
-    first where it fits). Checked exactly, in float64."""
+    first where it fits). Checked in float64, where the differences and sums of a group's float32
+    values are exact unless they span more than 29 binades."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
         return None
     if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once

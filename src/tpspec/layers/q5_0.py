@@ -3,8 +3,8 @@ group, w = d·(q − 16) with q a 5-bit integer and d float16 (d = max / −16, 
 of largest magnitude). ``exact_groups`` recovers such groups from the float32 weights the loader
 gives (None where a weight is not exactly Q5_0, or Q8_0 in some groups: nothing is re-quantized);
 as whole numbers in −16..16 times |d| they are Q8_0 groups with another d than Q8_0's own rounding
-picks, so the Q8_0 kernels take them (``int8_dot.quantize_exact_q5_0``; ``quantize_exact`` for ``q8_0_linear``): 1.06
-bytes a weight against float16's 2.
+picks, so the Q8_0 kernels take them (``int8_dot.quantize_exact_q5_0``; ``quantize_exact`` for
+``q8_0_linear``): 1.06 bytes a weight against float16's 2.
 """
 
 from __future__ import annotations
@@ -15,18 +15,6 @@ from tpspec.layers import q8_0
 
 GROUP = 32  # weights per group (one d)
 LEVELS = 16  # q − 16 runs over −16..15
-
-
-def round_to_q5_0(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ([out, in] float32, in a multiple of GROUP) rounded to Q5_0 as llama.cpp does: the float32
-    weight a Q5_0 GGUF of it would hold (lossy; tests make Q5_0 weights with it)."""
-    out_features, in_features = w.shape
-    groups = w.detach().float().view(out_features, in_features // GROUP, GROUP)
-    extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))  # [out, groups, 1] signed
-    d = extreme / -LEVELS
-    inverse = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-    q = (groups * inverse + 16.5).trunc().clamp(max=31)  # llama.cpp's MIN(31, (int8_t)(x·id + 16.5))
-    return (d.half().float() * (q - LEVELS)).flatten(1)
 
 
 def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

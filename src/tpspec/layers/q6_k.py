@@ -4,8 +4,8 @@ per super-block and an 8-bit sc per sub-block. Per 16 weights that is w = S·k w
 float32 value that is not a float16 one) and k a whole number in −32..31. ``exact_groups`` recovers
 such halves of 32-weight groups from the float32 weights the loader gives (None where a weight is
 not such: nothing is re-quantized), and the integer kernels take them in Q8_0's layout with a
-float32 scale per 16 weights (``int8_dot.quantize_exact_q6_k``): 1.25 bytes a weight against
-float16's 2.
+float32 scale (and Σ k) per 16 weights (``int8_dot.quantize_exact_q6_k``): 1.38 bytes a weight
+against float16's 2.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as groups of two 16-weight halves if every half is exactly S·k with a
     float32 S ≥ 0 and whole numbers |k| ≤ 32: S [out, groups, 2] float32 and k [out, groups, 32] int8;
     else None. S is the half's largest magnitude over the most levels n ≤ 32 that keep every weight
-    on the grid (n = |k| of that weight in the format's own k; a coarser grid is found where it
-    fits instead). Checked exactly, in float64."""
+    on the grid (n = |k| of that weight in the format's own k: the finest grid that fits). Checked
+    exactly, in float64 (S·k of a float32 S and |k| ≤ 32 is exact there)."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
         return None
     if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once

@@ -3,6 +3,7 @@
 // include ATen alone (~8 s), which halves the first build (87 s -> 48 s on a 2-core Zen 4).
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
@@ -21,39 +22,55 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 
-// A kernel called on a large input (a prefill chunk's rows, a verification of many sequences, the
-// logits of several) runs with the GIL released: in a server the HTTP event loop's thread runs Python
-// while the engine thread computes, instead of waiting up to a whole call (tens of ms in a long
-// prompt's prefill). Releasing and taking back the GIL costs ~0.2 us a call, under 2 % of a one-sequence
-// decode step's ~300 short calls, so calls on inputs under RELEASE_ELEMENTS keep it.
-constexpr int64_t RELEASE_ELEMENTS = int64_t(1) << 16;  // elements of the kernel's first tensor argument
+// A kernel call of some size (a prefill chunk, a verification of many sequences, an LM head, attention
+// over a long context or many sequences) runs with the GIL released: in a server the HTTP event loop's
+// thread runs Python while the engine thread computes, instead of waiting up to a whole call (tens of
+// ms in a long prompt's prefill). Releasing and taking back the GIL costs ~0.2 us a call, under 2 % of
+// a one-sequence decode step's ~300 calls of a few microseconds, so small calls keep it. A call's size:
+// for the products, its rows times its weight's bytes (a one-row LM head reads all of its weight); for
+// attention, its queries' elements times the longest context's keys: at least RELEASE_WORK; for the
+// other kernels their first tensor's elements: at least RELEASE_ELEMENTS.
+constexpr int64_t RELEASE_ELEMENTS = int64_t(1) << 16;
+constexpr int64_t RELEASE_WORK = int64_t(1) << 21;
+enum class Size { FirstTensor, Product, Attention };
 
-template <auto Kernel>
+template <auto Kernel, Size S>
 struct GilReleasedWhenLarge;
 
-template <typename R, typename... Rest, R (*Kernel)(torch::Tensor, Rest...)>
-struct GilReleasedWhenLarge<Kernel> {
+template <typename R, typename... Rest, R (*Kernel)(torch::Tensor, Rest...), Size S>
+struct GilReleasedWhenLarge<Kernel, S> {
   static R call(torch::Tensor x, Rest... rest) {
-    if (x.numel() < RELEASE_ELEMENTS) return Kernel(std::move(x), std::move(rest)...);
+    bool large;
+    if constexpr (S == Size::Product) {  // (x, qweight, ...)
+      large = x.size(0) * std::get<0>(std::forward_as_tuple(rest...)).nbytes() >= RELEASE_WORK;
+    } else if constexpr (S == Size::Attention) {  // (q, k_cache, v_cache, slots [sequences, longest context], ...)
+      large = x.numel() * std::get<2>(std::forward_as_tuple(rest...)).size(1) >= RELEASE_WORK;
+    } else {
+      large = x.numel() >= RELEASE_ELEMENTS;
+    }
+    if (!large) return Kernel(std::move(x), std::move(rest)...);
     py::gil_scoped_release released;
     return Kernel(std::move(x), std::move(rest)...);
   }
 };
 
-#define KERNEL(name, doc) m.def(#name, &GilReleasedWhenLarge<&name>::call, doc)
+#define KERNEL(name, size, doc) m.def(#name, &GilReleasedWhenLarge<&name, Size::size>::call, doc)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  KERNEL(q4_1_linear, "Q4_1 weights times float32 activations (q4_1_linear.cpp)");
-  KERNEL(q8_0_linear, "Q8_0 weights times float32 activations (q8_0_linear.cpp)");
-  KERNEL(q4_1_int8_linear,
+  KERNEL(q4_1_linear, Product, "Q4_1 weights times float32 activations (q4_1_linear.cpp)");
+  KERNEL(q8_0_linear, Product, "Q8_0 weights times float32 activations (q8_0_linear.cpp)");
+  KERNEL(q4_1_int8_linear, Product,
          "Q4_1 weights times activations rounded to 8 or 15 bits, integer multiply-adds (int8_dot_linear.cpp)");
-  KERNEL(q8_0_int8_linear,
+  KERNEL(q8_0_int8_linear, Product,
          "Q8_0 weights times activations rounded to 8 or 15 bits, integer multiply-adds (int8_dot_linear.cpp)");
-  KERNEL(add_rms_norm, "(x + residual) RMS-normalized, and x + residual (decode_ops.cpp)");
-  KERNEL(paged_attention, "queries over their key ranges of the paged KV cache (decode_ops.cpp)");
-  KERNEL(write_kv, "new keys and values into their slots of the paged cache (decode_ops.cpp)");
-  KERNEL(rotary, "rotary position embedding, rotate-half layout (decode_ops.cpp)");
-  KERNEL(silu_and_mul, "SwiGLU: silu(gate) * up (decode_ops.cpp)");
-  KERNEL(argmax_rows, "each row's first maximum, torch.argmax's answer (argmax.cpp)");
+  KERNEL(add_rms_norm, FirstTensor, "(x + residual) RMS-normalized, and x + residual (decode_ops.cpp)");
+  KERNEL(paged_attention, Attention, "queries over their key ranges of the paged KV cache (decode_ops.cpp)");
+  KERNEL(write_kv, FirstTensor, "new keys and values into their slots of the paged cache (decode_ops.cpp)");
+  KERNEL(rotary, FirstTensor, "rotary position embedding, rotate-half layout (decode_ops.cpp)");
+  KERNEL(silu_and_mul, FirstTensor, "SwiGLU: silu(gate) * up (decode_ops.cpp)");
+  KERNEL(argmax_rows, FirstTensor, "each row's first maximum, torch.argmax's answer (argmax.cpp)");
   m.attr("RELEASE_ELEMENTS") = RELEASE_ELEMENTS;
+  m.attr("RELEASE_WORK") = RELEASE_WORK;
 }
+
+#undef KERNEL

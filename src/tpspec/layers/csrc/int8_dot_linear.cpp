@@ -15,7 +15,8 @@
 //
 // Batch invariance: out[r, o] is one lane's float operations, the same in the same order whatever the
 // row count, the row block and output range it falls in, and the path (AVX2 and AVX-512 VNNI give the
-// same bits): per group, acc = fma(float(Σ q·qx)·dw, dx, acc), then for Q4_1 acc = fma(m, dx·Σ qx, acc).
+// same bits): per group, acc = fma(float(Σ q·qx)·dw, dx, acc), then for Q4_1 acc = fma(m, dx·Σ qx, acc);
+// for Q6_K's halves the first, once per half, the first half's before the second's.
 //
 // Layouts, per block of 16 outputs (the last padded with zero weights) and group g:
 // Q4_1: 256 bytes, 4 x 64: byte 4j + i of part l holds weight 4l + i (low nibble) and 16 + 4l + i
@@ -353,8 +354,9 @@ at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& qweight, const
   TORCH_CHECK(I % GROUP == 0 && qweight.is_contiguous() && qweight.dim() == 2 && qweight.size(0) == num_blocks
               && qweight.size(1) == G * (q8 ? 512 : 256), "qweight: the packed [ceil(O / 16), I / 32 · bytes] of x's width");
   const bool f32 = scales.scalar_type() == at::kFloat;
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || f32) && scales.is_contiguous()
-              && scales.numel() == num_blocks * G * BLOCK * (q8 && f32 ? 2 : 1),
+  const std::vector<int64_t> scale_shape = q8 && f32 ? std::vector<int64_t>{num_blocks, G, 2, BLOCK}
+                                                     : std::vector<int64_t>{num_blocks, G, BLOCK};
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || f32) && scales.is_contiguous() && scales.sizes() == scale_shape,
               "scales: contiguous float16 [ceil(O / 16), I / 32, 16] or float32 (Q4_1's layout); Q8_0's layout with "
               "float32 [ceil(O / 16), I / 32, 2, 16]");
   const Isa isa = static_cast<Isa>(isa_code);
