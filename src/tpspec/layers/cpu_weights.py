@@ -238,8 +238,9 @@ class PackedCPUWeight:
 def pack_cpu_weights(model: nn.Module, quantization: str | None = None) -> collections.Counter:
     """Pack every such layer's weight now (at load), not in the first request's forward; with
     ``quantization="fp16"`` float32 weights in fbgemm's float16 layout, with "q4_1" those that are
-    exactly Q4_1 or Q8_0 (or Q5_0) in their kernels' (and in float16 for more rows), with "w4a8" or "w4a16"
-    those and Q4_K and Q6_K ones in the integer kernels', the rest in float16; logs and returns how many weights each format got."""
+    exactly Q4_1 or Q8_0 (or Q5_0) in their kernels' (and in float16 for more rows), with "w4a8" or
+    "w4a16" those and Q4_K and Q6_K ones in the integer kernels', the rest in float16; logs and
+    returns how many weights each format got."""
     formats = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackedCPUWeight):

@@ -1,6 +1,7 @@
 """Q4_1 and Q8_0 weights (and Q5_0's as Q8_0 groups, Q4_K's as Q4_1 groups with float32 scales, Q6_K's
-as Q8_0 groups with a float32 scale per 16 weights) times activations rounded to integers, in 8-bit integer multiply-adds (``--quantization w4a8`` and
-``w4a16``; ``csrc/int8_dot_linear.cpp``, one of ``cpu_kernels``).
+as Q8_0 groups with a float32 scale per 16 weights) times activations rounded to integers, in 8-bit
+integer multiply-adds (``--quantization w4a8`` and ``w4a16``; ``csrc/int8_dot_linear.cpp``, one of
+``cpu_kernels``).
 
 Each product rounds its input rows once, per 32 values, to ``activation_bits`` (x ≈ dx·qx with
 dx = max |x| / QMAX): 8 bits as llama.cpp does (qx in -127..127), or 15 (qx in -16256..16256, two
