@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from tpspec.layers.finest_grid import finest_grid
+
 GROUP = 32  # weights per group (one D and one M)
 Q_MAX = 15  # q runs over 0..15
 
@@ -31,20 +33,7 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     groups = w.detach().double().view(out_features, in_features // GROUP, GROUP)
     low = groups.amin(-1)  # [out, groups]: M
     above = groups - low[..., None]  # [out, groups, 32] ≥ 0, exact in float64
-    span = above.amax(-1)  # [out, groups]
-    d = torch.zeros_like(span)
-    q = torch.zeros_like(above)
-    found = span == 0  # a constant group: D = 0, q = 0
-    for levels in range(Q_MAX, 0, -1):
-        step = span / levels
-        step32 = step.float().double()  # D must be a float32 value
-        k = torch.round(above / torch.where(step32 == 0, torch.ones_like(step32), step32)[..., None])
-        fits = ~found & (step32 > 0) & (k <= Q_MAX).all(-1) & (k * step32[..., None] == above).all(-1)
-        d = torch.where(fits, step32, d)
-        q = torch.where(fits[..., None], k, q)
-        found |= fits
-        if found.all():
-            break
+    d, q, found = finest_grid(above, above.amax(-1), Q_MAX)  # a constant group: D = 0, q = 0
     if not found.all():
         return None
     if not torch.equal(q * d[..., None] + low[..., None], groups):  # M + D·q gives every weight exactly

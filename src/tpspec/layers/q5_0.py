@@ -29,16 +29,10 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     out_features, in_features = w.shape
     groups = w.detach().view(out_features, in_features // GROUP, GROUP)
-    amax = groups.abs().amax(-1)  # [out, groups]
-    candidates = []
-    for levels in (LEVELS, q8_0.Q_MAX):  # Q5_0's d, then Q8_0's
-        d = (amax / levels).half()
-        if not torch.isfinite(d).all():
-            return None
-        step = torch.where(d == 0, torch.ones_like(d), d).float()[..., None]
-        k = torch.round(groups / step).clamp(-levels, levels)
-        candidates.append((d, k, (k * d.float()[..., None] == groups).all(-1)))  # [out, groups] exact
-    (d5, k5, exact5), (d8, k8, exact8) = candidates
+    q5, q8 = q8_0.group_multiples(groups, LEVELS), q8_0.group_multiples(groups, q8_0.Q_MAX)  # Q5_0's d, Q8_0's
+    if q5 is None or q8 is None:
+        return None
+    (d5, k5, exact5), (d8, k8, exact8) = q5, q8
     if not (exact5 | exact8).all():
         return None
     d = torch.where(exact5, d5, d8)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from tpspec.layers.finest_grid import finest_grid
+
 GROUP = 32  # weights per group of the kernels' layout
 HALF = 16  # weights per scale
 K_MAX = 32  # |k| ≤ 32
@@ -29,19 +31,7 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     out_features, in_features = w.shape
     halves = w.detach().double().view(out_features, in_features // HALF, HALF)
-    amax = halves.abs().amax(-1)  # [out, halves]
-    scale = torch.zeros_like(amax)
-    k = torch.zeros_like(halves)
-    found = amax == 0  # an all-zero half: S = 0, k = 0
-    for levels in range(K_MAX, 0, -1):
-        step32 = (amax / levels).float().double()  # S must be a float32 value
-        kn = torch.round(halves / torch.where(step32 == 0, torch.ones_like(step32), step32)[..., None])
-        fits = ~found & (step32 > 0) & (kn.abs() <= K_MAX).all(-1) & (kn * step32[..., None] == halves).all(-1)
-        scale = torch.where(fits, step32, scale)
-        k = torch.where(fits[..., None], kn, k)
-        found |= fits
-        if found.all():
-            break
+    scale, k, found = finest_grid(halves, halves.abs().amax(-1), K_MAX)  # an all-zero half: S = 0, k = 0
     if not found.all():
         return None
     if not torch.equal(k * scale[..., None], halves):  # S·k gives every weight exactly

@@ -33,15 +33,23 @@ def quantize_exact(w: torch.Tensor) -> Q8_0Weight | None:
     if w.shape[0] > 1 and quantize_exact(w[:1]) is None:  # one row refuses most other weights at once
         return None
     out_features, in_features = w.shape
-    groups = w.detach().view(out_features, in_features // GROUP, GROUP)
-    d = (groups.abs().amax(-1) / Q_MAX).half()  # [out, groups]
+    multiples = group_multiples(w.detach().view(out_features, in_features // GROUP, GROUP), Q_MAX)
+    if multiples is None or not multiples[2].all():
+        return None
+    d, q, _ = multiples
+    return Q8_0Weight(q.to(torch.int8).flatten(1).contiguous(), d.contiguous())
+
+
+def group_multiples(groups: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """groups [..., 32] float32 as whole multiples of d = max |w| / levels (float16), as llama.cpp
+    picks Q8_0's d (levels 127) and |Q5_0's| (16): d [...] float16, q [..., 32] float32 in
+    −levels..levels, and [...] whether d·q gives each group exactly; None where a d is not finite."""
+    d = (groups.abs().amax(-1) / levels).half()
     if not torch.isfinite(d).all():
         return None
     step = torch.where(d == 0, torch.ones_like(d), d).float()[..., None]
-    q = torch.round(groups / step).clamp(-Q_MAX, Q_MAX)
-    if not torch.equal(q * d.float()[..., None], groups):
-        return None
-    return Q8_0Weight(q.to(torch.int8).flatten(1).contiguous(), d.contiguous())
+    q = torch.round(groups / step).clamp(-levels, levels)
+    return d, q, (q * d.float()[..., None] == groups).all(-1)
 
 
 def dequantize(weight: Q8_0Weight) -> torch.Tensor:
