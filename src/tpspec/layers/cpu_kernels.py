@@ -4,7 +4,7 @@ same weights in integer multiply-adds (``layers.int8_dot``; AVX-512 VNNI where t
 RMSNorm with its residual add and attention of a few queries per sequence over the paged KV cache
 (decodes, verification; ``decode_ops.cpp``), each one call where PyTorch dispatches several ops
 (and gathers the keys). Built with the machine's C++ compiler (and ninja)
-at the first engine start, ~50 s on two cores (``make demo`` starts one), then cached by torch.
+at the first engine start, ~20 s on two cores (``make demo`` starts one), then cached by torch.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _build():
         here = os.path.dirname(sys.executable)
         if os.path.exists(os.path.join(here, "ninja")):
             os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-    logger.info("Loading tpspec's CPU kernels (compiled on first use, ~50 s, then cached by torch)")
+    logger.info("Loading tpspec's CPU kernels (compiled on first use, ~20 s, then cached by torch)")
     try:
         module = load(name="tpspec_cpu_kernels", sources=_SOURCES, verbose=False,
                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])

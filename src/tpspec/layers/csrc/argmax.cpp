@@ -8,7 +8,8 @@
 // fixed positions (work items over both threads, even for one row); a chunk's answer is its first
 // maximum, and the chunks are combined in order, a later one winning only with a strictly greater
 // value: comparisons only, so the answer does not depend on the chunking or the thread count.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

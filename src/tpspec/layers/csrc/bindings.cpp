@@ -1,26 +1,26 @@
 // The Python module of tpspec's CPU kernels (tpspec.layers.cpu_kernels). Only this file includes
-// torch/extension.h (pybind11 and torch's Python API: ~30 s of compiling a file); the kernels
-// include ATen alone (~8 s), which halves the first build (87 s -> 48 s on a 2-core Zen 4).
-#include <torch/extension.h>
+// torch's pybind11 type casters (torch/csrc/utils/pybind.h: ~7 s of compiling it, against ~19 s with
+// torch/extension.h, which adds torch's whole C++ frontend); the kernels include ATen's Tensor and
+// the one or two ops they call (~3-7 s a file, against ~5-8 s with ATen/ATen.h). The first build
+// takes 19 s on a 2-core Zen 5 (29 s before).
+#include <torch/csrc/utils/pybind.h>
 
 #include <tuple>
 #include <vector>
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                          bool wide);
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, bool wide);
-torch::Tensor q4_1_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                               int64_t out_features, int64_t bits, int64_t isa);
-torch::Tensor q8_0_int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor qsums,
-                               int64_t out_features, int64_t bits, int64_t isa);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
-                                        double eps);
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                              torch::Tensor token_seq, torch::Tensor key_range, torch::Tensor kv_head, double scale, bool wide);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping);
-torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor argmax_rows(torch::Tensor x);
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, bool wide);
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, bool wide);
+at::Tensor q4_1_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t out_features,
+                            int64_t bits, int64_t isa);
+at::Tensor q8_0_int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor qsums, int64_t out_features,
+                            int64_t bits, int64_t isa);
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor token_seq,
+                           at::Tensor key_range, at::Tensor kv_head, double scale, bool wide);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor argmax_rows(at::Tensor x);
 
 // A kernel call of some size (a prefill chunk, a verification of many sequences, an LM head, attention
 // over a long context or many sequences) runs with the GIL released: in a server the HTTP event loop's
@@ -37,9 +37,9 @@ enum class Size { FirstTensor, Product, Attention };
 template <auto Kernel, Size S>
 struct GilReleasedWhenLarge;
 
-template <typename R, typename... Rest, R (*Kernel)(torch::Tensor, Rest...), Size S>
+template <typename R, typename... Rest, R (*Kernel)(at::Tensor, Rest...), Size S>
 struct GilReleasedWhenLarge<Kernel, S> {
-  static R call(torch::Tensor x, Rest... rest) {
+  static R call(at::Tensor x, Rest... rest) {
     bool large;
     if constexpr (S == Size::Product) {  // (x, qweight, ...)
       large = x.size(0) * std::get<0>(std::forward_as_tuple(rest...)).nbytes() >= RELEASE_WORK;

@@ -2,7 +2,9 @@
 // one call each: RMSNorm with its residual add, where PyTorch dispatches 5-10 ops (~20-30 us for a row
 // of 576), and attention of a few queries per sequence reading the paged KV cache in place, where
 // PyTorch gathers the keys first.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -26,7 +26,8 @@
 // are not float16 values (Q4_K's: a float16 times a 6-bit integer, tpspec.layers.q4_k). Q8_0's layout
 // with float32 scales holds Q6_K's groups (tpspec.layers.q6_k): a scale per 16 weights, [blocks, groups,
 // 2, 16] (and Σ q likewise), weights 0-15 (chunks 0-3) and 16-31 (chunks 4-7) summed apart.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

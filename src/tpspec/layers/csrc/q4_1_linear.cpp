@@ -11,7 +11,9 @@
 // The AVX-512 path reads two pairs (4 groups, 128 weights) as one 64-byte vector: after shift 4k its
 // 16 lanes are weights 8k .. 8k+7 of the first pair and of the second, so x is permuted once a call
 // into that lane order (`permute_x`), and the row's last pair and group take the AVX2 path.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -6,7 +6,8 @@
 // Each group is widened to float32 as d·q, which is exact (d·q needs at most 19 bits): out[r, o] is
 // the float32 dot product of row r of x with the float32 weights, summed in another order.
 // Layout: the q of a row in order, one byte each; one d per 32 of them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
