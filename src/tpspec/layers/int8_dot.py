@@ -125,10 +125,8 @@ def quantize_exact_q4_1(w: torch.Tensor, activation_bits: int) -> Q4_1Int8Weight
 
 def quantize_exact_q8_0(w: torch.Tensor, activation_bits: int) -> Q8_0Int8Weight | None:
     """``w`` ([out, in] float32) in this kernel's layout if it is exactly Q8_0, else None."""
-    exact = q8_0.quantize_exact(w)
-    if exact is None:
-        return None
-    return pack_q8_0(exact.scales, exact.qweight.view(exact.qweight.shape[0], -1, GROUP), activation_bits)
+    groups = q8_0.exact_groups(w)
+    return None if groups is None else pack_q8_0(*groups, activation_bits)
 
 
 def quantize_exact_q4_k(w: torch.Tensor, activation_bits: int) -> Q4_1Int8Weight | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tpspec.layers import cpu_kernels
+from tpspec.layers.row_chunks import by_row_chunks
 
 GROUP = 32  # weights per group (one d and one m)
 
@@ -46,6 +47,7 @@ def round_to_q4_1(w: torch.Tensor) -> torch.Tensor:
     return (d.float()[..., None] * q + m.float()[..., None]).flatten(1)
 
 
+@by_row_chunks
 def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as Q4_1 groups if every group is exactly d·q + m with float16 d and m
     and q in 0..15 (``round_to_q4_1`` leaves it unchanged): d, m [out, groups] float16 and

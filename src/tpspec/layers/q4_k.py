@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 
 from tpspec.layers.finest_grid import finest_grid
+from tpspec.layers.row_chunks import by_row_chunks
 
 GROUP = 32  # weights per group (one D and one M)
 Q_MAX = 15  # q runs over 0..15
 
 
+@by_row_chunks
 def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as 4-bit groups if every group is exactly D·q + M with float32 D ≥ 0
     and M and q in 0..15: D, M [out, groups] float32 and q [out, groups, 32] uint8; else None.

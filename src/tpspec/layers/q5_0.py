@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from tpspec.layers import q8_0
+from tpspec.layers.row_chunks import by_row_chunks
 
 GROUP = 32  # weights per group (one d)
 LEVELS = 16  # q − 16 runs over −16..15
 
 
+@by_row_chunks
 def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as whole-number groups if every group is exactly Q5_0 (d·k with a
     float16 d ≥ 0 and k in −16..16: d = max |w| / 16, |llama.cpp's d|, its value of largest magnitude

@@ -13,12 +13,14 @@ from __future__ import annotations
 import torch
 
 from tpspec.layers.finest_grid import finest_grid
+from tpspec.layers.row_chunks import by_row_chunks
 
 GROUP = 32  # weights per group of the kernels' layout
 HALF = 16  # weights per scale
 K_MAX = 32  # |k| ≤ 32
 
 
+@by_row_chunks
 def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as groups of two 16-weight halves if every half is exactly S·k with a
     float32 S ≥ 0 and whole numbers |k| ≤ 32: S [out, groups, 2] float32 and k [out, groups, 32] int8;

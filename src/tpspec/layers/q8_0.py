@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tpspec.layers import cpu_kernels
+from tpspec.layers.row_chunks import by_row_chunks
 
 GROUP = 32  # weights per group (one d)
 Q_MAX = 127  # llama.cpp's Q8_0: d = max |w| / 127, q = round(w / d)
@@ -25,19 +26,30 @@ class Q8_0Weight:
     scales: torch.Tensor  # [out_features, in_features / 32] float16: d
 
 
-def quantize_exact(w: torch.Tensor) -> Q8_0Weight | None:
-    """``w`` ([out, in] float32) as Q8_0 groups if every group is exactly d·q with a float16 d and
-    q in -127..127, as llama.cpp rounds (d = max |w| / 127), else None."""
+@by_row_chunks
+def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` ([out, in] float32) as Q8_0 groups if every group is exactly d·q with a float16 d and q in
+    -127..127, as llama.cpp rounds (d = max |w| / 127): d [out, groups] float16 and q [out, groups, 32]
+    int8; else None."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
         return None
-    if w.shape[0] > 1 and quantize_exact(w[:1]) is None:  # one row refuses most other weights at once
+    if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once
         return None
     out_features, in_features = w.shape
     multiples = group_multiples(w.detach().view(out_features, in_features // GROUP, GROUP), Q_MAX)
     if multiples is None or not multiples[2].all():
         return None
     d, q, _ = multiples
-    return Q8_0Weight(q.to(torch.int8).flatten(1).contiguous(), d.contiguous())
+    return d.contiguous(), q.to(torch.int8)
+
+
+def quantize_exact(w: torch.Tensor) -> Q8_0Weight | None:
+    """``w`` ([out, in] float32) in the kernel's layout if it is exactly Q8_0 (``exact_groups``), else None."""
+    groups = exact_groups(w)
+    if groups is None:
+        return None
+    d, q = groups
+    return Q8_0Weight(q.flatten(1).contiguous(), d)
 
 
 def group_multiples(groups: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,37 @@
+"""Recovering a large weight's GGUF groups a chunk of rows at a time. A format's ``exact_groups``
+makes several whole-tensor passes (magnitudes, steps, rounding, the check); over Gemma 3's
+262,144 x 640 token embedding (its LM head) each pass allocates and streams a 670 MB float32
+temporary, and the Q8_0 recovery took 1.3 s, against 0.3 s in chunks of 2,048 rows, whose
+temporaries stay in the caches (an AMD EPYC Zen 5). A format's groups lie within a row, so the
+chunks' groups are the weight's."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+CHUNK_ROWS = 2048
+
+Groups = tuple[torch.Tensor, ...]
+
+
+def by_row_chunks(exact_groups: Callable[[torch.Tensor], Groups | None]) -> Callable[[torch.Tensor], Groups | None]:
+    """``exact_groups`` (a weight [out, in] -> tensors whose first dimension is ``out``, or None where
+    the weight is not of its format) run on ``CHUNK_ROWS`` rows at a time, the chunks' tensors
+    concatenated; None at the first chunk that is not exact."""
+
+    @functools.wraps(exact_groups)
+    def chunked(w: torch.Tensor) -> Groups | None:
+        if w.dim() != 2 or w.shape[0] <= CHUNK_ROWS:
+            return exact_groups(w)
+        parts = []
+        for rows in w.split(CHUNK_ROWS):
+            part = exact_groups(rows)
+            if part is None:
+                return None
+            parts.append(part)
+        return tuple(torch.cat(tensors) for tensors in zip(*parts))
+
+    return chunked
