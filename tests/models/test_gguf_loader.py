@@ -288,7 +288,7 @@ def test_cache_dir_from_environment(tmp_path, tiny_gguf, monkeypatch):
 def test_interrupted_conversion_leaves_no_entry(tmp_path, tiny_gguf, monkeypatch):
     cache = str(tmp_path / "cache")
 
-    def fail(source: str, out_dir: str) -> None:
+    def fail(source: str, out_dir: str, reader) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(gguf_loader, "_save_tokenizer", fail)
@@ -305,9 +305,9 @@ def test_concurrent_conversions_share_one_entry(tmp_path, tiny_gguf, monkeypatch
     both_converting = threading.Barrier(2, timeout=60)
     save_tokenizer = gguf_loader._save_tokenizer
 
-    def save_after_both_started(source: str, out_dir: str) -> None:
+    def save_after_both_started(source: str, out_dir: str, reader) -> None:
         both_converting.wait()
-        save_tokenizer(source, out_dir)
+        save_tokenizer(source, out_dir, reader)
 
     monkeypatch.setattr(gguf_loader, "_save_tokenizer", save_after_both_started)
     results: list[str] = []
@@ -362,3 +362,25 @@ def test_unsupported_rope_scaling(tmp_path):
     path = write_tiny_gguf(str(tmp_path / "longrope.gguf"), metadata={"rope.scaling.type": "longrope"})
     with pytest.raises(ValueError, match="rope scaling type 'longrope'"):
         convert_gguf(path, cache_dir=str(tmp_path / "cache"))
+
+
+def test_the_plain_array_reader_parses_as_gguf_py_and_stands_in_for_it_once(tmp_path):
+    """``GGUFFile`` (gguf-py's reader over a plain array view of the memory map) gives gguf-py's
+    fields and tensors; inside ``parsed_once`` transformers' ``gguf.GGUFReader`` of that file is the
+    parse, of another file a new reader of it, and after it gguf-py's own again."""
+    import gguf
+
+    path, other = write_tiny_gguf(str(tmp_path / "a.gguf")), write_tiny_gguf(str(tmp_path / "b.gguf"), "qwen3")
+    ours, theirs = gguf_loader.GGUFFile(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert [part.tobytes() for part in ours.fields[name].parts] == [part.tobytes() for part in field.parts], name
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data.tobytes()) for t in theirs.tensors]
+    original = gguf.GGUFReader
+    with gguf_loader.parsed_once(ours, path):
+        assert gguf.GGUFReader(path) is ours
+        assert gguf.GGUFReader(other).fields["general.architecture"].contents() == "qwen3"
+    assert gguf.GGUFReader is original
