@@ -164,17 +164,18 @@ def test_every_weight_takes_the_integer_kernels_and_output_is_batch_invariant(fo
     """Its GGUF's Q5_0, Q8_0, Q4_K and Q6_K weights all run through the integer kernels (none as a
     float16 copy: ``batch_invariant`` refuses to start otherwise), so a request's output does not
     depend on what shares its steps: the long prompt's greedy tokens and logprobs are the same bits
-    alone and among other requests, prefilled whole and in chunks."""
+    prefilled whole alone and in two chunks among other requests (its budget fits the long prompt
+    alone; after a 300-token prompt, 340 of its tokens, then the rest beside two short prompts)."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 
     def tokens_and_logprobs(output):
         o = output.outputs[0]
         return list(o.token_ids), [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]
 
-    with LLM(GEMMA, batch_invariant=True, enable_prefix_caching=False, **ENGINE) as llm:
-        alone = tokens_and_logprobs(llm.generate([prompts["long"]], params, use_tqdm=False)[0])
-        others = [prompts["short"], prompts["long"][:300], prompts["short"] * 3]
-        batch = llm.generate([others[0], prompts["long"], *others[1:]], params, use_tqdm=False)
-        assert tokens_and_logprobs(batch[1]) == alone
-    with LLM(GEMMA, batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=96, **ENGINE) as llm:
-        assert tokens_and_logprobs(llm.generate([prompts["long"]], params, use_tqdm=False)[0]) == alone  # in chunks
+    long, first = prompts["long"], prompts["long"][:300]
+    budget = len(long) + 28
+    assert len(first) + len(long) > budget  # the long prompt is chunked in the batch
+    with LLM(GEMMA, batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=budget, **ENGINE) as llm:
+        alone = tokens_and_logprobs(llm.generate([long], params, use_tqdm=False)[0])
+        batch = llm.generate([first, long, prompts["short"], prompts["short"] * 3], params, use_tqdm=False)
+    assert tokens_and_logprobs(batch[1]) == alone
