@@ -132,7 +132,10 @@ def test_sliding_window_layers_with_the_cache(tiny_gemma3):
 def _drafter_kv_of_last_request(target: str, spec: dict, prompts: list[list[int]]) -> tuple[torch.Tensor, int]:
     """The prompts one at a time through a TP 1 engine with the cache (8-token chunks); the
     drafter's K and V at every computed position of the last request, read when it ends:
-    [2 · layers, positions, heads, dim]; and the tokens taken from the cache."""
+    [2 · layers, positions, heads, dim]; and the tokens taken from the cache. The KV cache in
+    float32: a cold start computes the shared rows in other steps than a hit, and where the
+    products depend on the step's rows (the tiny models' float16 weight copies on the AVX2 paths)
+    their last-bit differences (~1e-6) flip a float16 cache entry's rounding (one unit, 5e-4)."""
     from tpspec.worker.model_runner import ModelRunner
 
     seen = {}
@@ -150,7 +153,7 @@ def _drafter_kv_of_last_request(target: str, spec: dict, prompts: list[list[int]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "forget_request", snapshot)
-        with LLM(target, speculative_config=spec, **{**ENGINE, "max_num_batched_tokens": 8}) as llm:
+        with LLM(target, speculative_config=spec, kv_cache_dtype="float32", **{**ENGINE, "max_num_batched_tokens": 8}) as llm:
             for i, p in enumerate(prompts):
                 llm.llm_engine.add_request(p, GREEDY, request_id=f"r{i}")
                 while llm.llm_engine.has_unfinished_requests():
