@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.reference_models import transformers_gguf_tokenizer
 from tpspec.default_model import default_model_path
 from tpspec.models.loader.gguf import convert_gguf
 from tpspec.tokenizer import Tokenizer
@@ -53,10 +54,7 @@ def ours(default_folder) -> Tokenizer:
 @pytest.fixture(scope="module")
 def reference():
     """transformers' own tokenizer built from the GGUF file."""
-    from transformers import AutoTokenizer
-
-    directory, filename = os.path.split(default_model_path())
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return transformers_gguf_tokenizer(default_model_path())
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
