@@ -24,14 +24,6 @@ def transformers_gguf_model(path: str):
 
     directory, filename = os.path.split(path)
     name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-    with parsed_once(GGUFFile(path), path), mock.patch.object(gguf, "get_tensor_name_map", name_map):
+    with parsed_once(GGUFFile(path)), mock.patch.object(gguf, "get_tensor_name_map", name_map):
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
 
-
-def transformers_gguf_tokenizer(path: str):
-    """transformers' own tokenizer from the GGUF file at ``path``, its header parsed by ``GGUFFile``."""
-    from transformers import AutoTokenizer
-
-    directory, filename = os.path.split(path)
-    with parsed_once(GGUFFile(path), path):
-        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)

@@ -12,7 +12,6 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tests.reference_models import transformers_gguf_tokenizer
 from tpspec.default_model import default_model_path
 from tpspec.models.loader.gguf import convert_gguf
 from tpspec.tokenizer import Tokenizer
@@ -53,8 +52,12 @@ def ours(default_folder) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers' own tokenizer built from the GGUF file."""
-    return transformers_gguf_tokenizer(default_model_path())
+    """transformers' own tokenizer built from the GGUF file, parsed by gguf-py's own reader (the
+    conversion under test parses it with ``GGUFFile``: this reference stays independent of that)."""
+    from transformers import AutoTokenizer
+
+    directory, filename = os.path.split(default_model_path())
+    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])

@@ -153,7 +153,8 @@ def _drafter_kv_of_last_request(target: str, spec: dict, prompts: list[list[int]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "forget_request", snapshot)
-        with LLM(target, speculative_config=spec, kv_cache_dtype="float32", **{**ENGINE, "max_num_batched_tokens": 8}) as llm:
+        engine = {**ENGINE, "max_num_batched_tokens": 8, "kv_cache_dtype": "float32"}
+        with LLM(target, speculative_config=spec, **engine) as llm:
             for i, p in enumerate(prompts):
                 llm.llm_engine.add_request(p, GREEDY, request_id=f"r{i}")
                 while llm.llm_engine.has_unfinished_requests():

@@ -42,9 +42,11 @@ def write_tiny_gguf(
     metadata: dict | None = None,
     extra_tensors: tuple[str, ...] = (),
     skip_tensors: tuple[str, ...] = (),
+    skip_keys: tuple[str, ...] = (),
 ) -> str:
     """A random-weight GGUF as llama.cpp writes one: Q8_0 matrices, F32 norms, a byte-level BPE
-    tokenizer with a chat template. `metadata` adds "{arch}."-relative keys (float values)."""
+    tokenizer with a chat template. `metadata` adds "{arch}."-relative keys (float values);
+    `skip_tensors` and `skip_keys` leave those tensors and metadata keys out."""
     shape = _TINY.get(arch, _TINY["llama"])
     hidden, ffn, layers = 64, 96, 2
     heads, kv_heads, head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
@@ -107,6 +109,8 @@ def write_tiny_gguf(
             values = (0.2 * rng.standard_normal(tensor_shape)).astype(np.float32)
             blocks = quantize(values, GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType.Q8_0)
+    for key in skip_keys:
+        del writer.kv_data[0][key]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -380,7 +384,21 @@ def test_the_plain_array_reader_parses_as_gguf_py_and_stands_in_for_it_once(tmp_
     assert [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == [
         (t.name, t.tensor_type, t.data.tobytes()) for t in theirs.tensors]
     original = gguf.GGUFReader
-    with gguf_loader.parsed_once(ours, path):
+    with gguf_loader.parsed_once(ours):
         assert gguf.GGUFReader(path) is ours
         assert gguf.GGUFReader(other).fields["general.architecture"].contents() == "qwen3"
+        assert issubclass(gguf.GGUFReader, original)  # a class: isinstance checks against it still work
     assert gguf.GGUFReader is original
+
+
+@pytest.mark.parametrize("missing", ["key", "embedding"])
+def test_a_gguf_without_what_the_config_needs_is_a_clear_error(tmp_path, missing):
+    path = str(tmp_path / "bad.gguf")
+    if missing == "embedding":
+        write_tiny_gguf(path, skip_tensors=("token_embd.weight",))
+        message = "has no token embedding tensor 'token_embd.weight'"
+    else:
+        write_tiny_gguf(path, skip_keys=("llama.embedding_length",))
+        message = "has no metadata key 'llama.embedding_length'"
+    with pytest.raises(ValueError, match=f"GGUF file {path} {message}"):
+        convert_gguf(path, cache_dir=str(tmp_path / "cache"))

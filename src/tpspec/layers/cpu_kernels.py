@@ -4,7 +4,7 @@ same weights in integer multiply-adds (``layers.int8_dot``; AVX-512 VNNI where t
 RMSNorm with its residual add and attention of a few queries per sequence over the paged KV cache
 (decodes, verification; ``decode_ops.cpp``), each one call where PyTorch dispatches several ops
 (and gathers the keys). Built with the machine's C++ compiler (and ninja)
-at the first engine start, ~20 s on two cores (``make demo`` starts one), then cached by torch.
+at the first engine start, ~20 s on a 2-core Zen 5 (``make demo`` starts one), then cached by torch.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ LEVELS = 16  # q − 16 runs over −16..15
 def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as whole-number groups if every group is exactly Q5_0 (d·k with a
     float16 d ≥ 0 and k in −16..16: d = max |w| / 16, |llama.cpp's d|, its value of largest magnitude
-    k = ±16) or exactly Q8_0 (``q8_0.quantize_exact``'s rule, d = max |w| / 127): a merged weight
+    k = ±16) or exactly Q8_0 (``q8_0.exact_groups``' rule, d = max |w| / 127): a merged weight
     (Gemma 3's q/k/v, where v is Q8_0 in half the layers) mixes the two. d [out, groups] float16 and
     k [out, groups, 32] int8; else None."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:

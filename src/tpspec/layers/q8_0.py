@@ -1,8 +1,9 @@
 """Q8_0 weights kept 8-bit: llama.cpp's format, 32 weights a group, w = d·q (q an 8-bit signed integer,
 d float16). The default model's GGUF stores its token embedding, which is also its LM head, so;
-``quantize_exact`` recovers such groups from the float32 weight (None where a weight is not exactly
-Q8_0), and ``q8_0_linear`` multiplies float32 activations by them reading 1.06 bytes a weight against
-float16's 2, through tpspec's kernel (``csrc/q8_0_linear.cpp``, one of ``cpu_kernels``).
+``exact_groups`` recovers such groups from the float32 weight (None where a weight is not exactly
+Q8_0), ``quantize_exact`` lays them out for ``q8_0_linear``, which multiplies float32 activations
+by them reading 1.06 bytes a weight against float16's 2, through tpspec's kernel
+(``csrc/q8_0_linear.cpp``, one of ``cpu_kernels``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import gguf
 import numpy as np
@@ -138,6 +137,10 @@ class GGUFFile(GGUFReader):
     (``__array_finalize__``) where a plain array's does not: Gemma 3's 262,144 tokens took 8.5 s to
     parse, 2.2 s so (an AMD EPYC Zen 5). Tensors read as plain arrays over the same map."""
 
+    def __init__(self, path: str, mode: str = "r"):
+        self.path = os.fspath(path)
+        super().__init__(path, mode)
+
     @property
     def data(self) -> np.ndarray:
         return self._data
@@ -147,22 +150,29 @@ class GGUFFile(GGUFReader):
         self._data = value.view(np.ndarray)
 
 
-# transformers' GGUF loading reads the module attribute gguf.GGUFReader: one patch at a time.
-_PARSED_ONCE_LOCK = threading.Lock()
+# transformers' GGUF loading reads the module attribute gguf.GGUFReader: one stand-in at a time.
+_PARSED_ONCE_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def parsed_once(reader: GGUFFile, source: str) -> Iterator[None]:
-    """A context in which transformers' GGUF loading of ``source`` reads ``reader`` (its parse)
+def parsed_once(reader: GGUFFile) -> Iterator[None]:
+    """A context in which transformers' GGUF loading of ``reader.path`` reads ``reader`` (its parse)
     instead of parsing the file's header again (it does once each for config, tensors and
-    tokenizer); any other file it parses itself. One such context at a time in a process."""
-    original = gguf.GGUFReader
+    tokenizer); any other file, or the same one opened in another mode, it reads anew."""
+    with _PARSED_ONCE_LOCK:
+        original = gguf.GGUFReader
 
-    def the_parsed_file(path: str, *args: Any, **kwargs: Any) -> GGUFReader:
-        return reader if not args and not kwargs and os.path.samefile(path, source) else original(path, *args, **kwargs)
+        class ParsedOnce(original):  # a class, so that isinstance(x, gguf.GGUFReader) still works meanwhile
+            def __new__(cls, path: str, *args: Any, **kwargs: Any) -> GGUFReader:
+                if not args and not kwargs and os.path.samefile(path, reader.path):
+                    return reader  # not a ParsedOnce: __init__ is not called on it
+                return original(path, *args, **kwargs)
 
-    with _PARSED_ONCE_LOCK, mock.patch.object(gguf, "GGUFReader", the_parsed_file):
-        yield
+        gguf.GGUFReader = ParsedOnce
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def _write_folder(source: str, out_dir: str) -> None:
@@ -190,11 +200,11 @@ def _write_folder(source: str, out_dir: str) -> None:
     _save_tokenizer(source, out_dir, reader)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
     field = reader.fields.get(key)
     if field is None:
         if default is _REQUIRED:
-            raise ValueError(f"GGUF file {reader.data.filename} has no metadata key {key!r}")
+            raise ValueError(f"GGUF file {reader.path} has no metadata key {key!r}")
         return default
     return field.contents()
 
@@ -204,7 +214,7 @@ def _float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+def _build_config(reader: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """The Hugging Face config.json of the GGUF's model."""
     hidden_size = int(_field(reader, f"{arch}.embedding_length"))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -213,7 +223,7 @@ def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
         head_dim = _field(reader, f"{arch}.rope.dimension_count", hidden_size // num_heads)
     embedding = next((tensor for tensor in reader.tensors if tensor.name == "token_embd.weight"), None)
     if embedding is None:
-        raise ValueError(f"GGUF file {reader.data.filename} has no token embedding tensor 'token_embd.weight'")
+        raise ValueError(f"GGUF file {reader.path} has no token embedding tensor 'token_embd.weight'")
     config: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURE[arch]],
         "model_type": _HF_MODEL_TYPE[arch],
@@ -360,7 +370,7 @@ def _save_tokenizer(source: str, out_dir: str, reader: GGUFFile) -> None:
 
     logger.info("Converting the tokenizer of %s with transformers", source)
     directory, filename = os.path.split(source)
-    with parsed_once(reader, source):  # transformers parses the file's header again otherwise
+    with parsed_once(reader):  # transformers parses the file's header again otherwise
         hf_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
     hf_tokenizer.save_pretrained(out_dir)
 
