@@ -26,4 +26,3 @@ def transformers_gguf_model(path: str):
     name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
     with parsed_once(GGUFFile(path)), mock.patch.object(gguf, "get_tensor_name_map", name_map):
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
-
