@@ -52,10 +52,6 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """``w`` ([out, in] float32) as Q4_1 groups if every group is exactly d·q + m with float16 d and m
     and q in 0..15 (``round_to_q4_1`` leaves it unchanged): d, m [out, groups] float16 and
     q [out, groups, 32] uint8; else None."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
-        return None
-    if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once
-        return None
     d, m, q = _rounded_groups(w)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None

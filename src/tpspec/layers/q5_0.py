@@ -25,10 +25,6 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     k = ±16) or exactly Q8_0 (``q8_0.exact_groups``' rule, d = max |w| / 127): a merged weight
     (Gemma 3's q/k/v, where v is Q8_0 in half the layers) mixes the two. d [out, groups] float16 and
     k [out, groups, 32] int8; else None."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
-        return None
-    if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once
-        return None
     out_features, in_features = w.shape
     groups = w.detach().view(out_features, in_features // GROUP, GROUP)
     q5, q8 = q8_0.group_multiples(groups, LEVELS), q8_0.group_multiples(groups, q8_0.Q_MAX)  # Q5_0's d, Q8_0's
@@ -45,8 +41,4 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def quantize_exact(w: torch.Tensor) -> q8_0.Q8_0Weight | None:
     """``w`` ([out, in] float32) in the Q8_0 kernel's layout (``q8_0_linear``) if its groups are
     exactly Q5_0 or Q8_0 (``exact_groups``), else None."""
-    groups = exact_groups(w)
-    if groups is None:
-        return None
-    d, k = groups
-    return q8_0.Q8_0Weight(k.flatten(1).contiguous(), d)
+    return q8_0.laid_out(exact_groups(w))

@@ -27,10 +27,6 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     else None. S is the half's largest magnitude over the most levels n ≤ 32 that keep every weight
     on the grid (n = |k| of that weight in the format's own k: the finest grid that fits). Checked
     exactly, in float64 (S·k of a float32 S and |k| ≤ 32 is exact there)."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
-        return None
-    if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once
-        return None
     out_features, in_features = w.shape
     halves = w.detach().double().view(out_features, in_features // HALF, HALF)
     scale, k, found = finest_grid(halves, halves.abs().amax(-1), K_MAX)  # an all-zero half: S = 0, k = 0

@@ -32,10 +32,6 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w`` ([out, in] float32) as Q8_0 groups if every group is exactly d·q with a float16 d and q in
     -127..127, as llama.cpp rounds (d = max |w| / 127): d [out, groups] float16 and q [out, groups, 32]
     int8; else None."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GROUP:
-        return None
-    if w.shape[0] > 1 and exact_groups(w[:1]) is None:  # one row refuses most other weights at once
-        return None
     out_features, in_features = w.shape
     multiples = group_multiples(w.detach().view(out_features, in_features // GROUP, GROUP), Q_MAX)
     if multiples is None or not multiples[2].all():
@@ -46,7 +42,12 @@ def exact_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def quantize_exact(w: torch.Tensor) -> Q8_0Weight | None:
     """``w`` ([out, in] float32) in the kernel's layout if it is exactly Q8_0 (``exact_groups``), else None."""
-    groups = exact_groups(w)
+    return laid_out(exact_groups(w))
+
+
+def laid_out(groups: tuple[torch.Tensor, torch.Tensor] | None) -> Q8_0Weight | None:
+    """Whole-number groups (d [out, groups] float16, q [out, groups, 32] int8; None: none) in the
+    kernel's layout."""
     if groups is None:
         return None
     d, q = groups
