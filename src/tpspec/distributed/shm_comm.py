@@ -92,13 +92,17 @@ class ShmCommunicator:
         while (counters < self.seq).any():
             spins += 1
             if spins > 64:
-                os.sched_yield()  # several ranks per core (e.g. TP 4 on 2 cores): let the others run
-                if spins % 4096 == 0:
-                    if self.abort_reason:
-                        raise RuntimeError(f"TP peer lost: {self.abort_reason}")
-                    start = start or time.monotonic()
-                    if time.monotonic() - start > self.timeout_s:
-                        raise RuntimeError(f"TP peer did not reach the collective within {self.timeout_s} s")
+                # Several ranks per core (e.g. TP 4 on 2 cores): let the others run. On a busy core a
+                # yield can hand it away for a whole time slice, so the lost peer and the timeout are
+                # checked after every yield, not after a count of them (4,096 yields beside two busy
+                # threads took seconds to notice a killed worker).
+                os.sched_yield()
+                if self.abort_reason:
+                    raise RuntimeError(f"TP peer lost: {self.abort_reason}")
+                now = time.monotonic()
+                start = start or now
+                if now - start > self.timeout_s:
+                    raise RuntimeError(f"TP peer did not reach the collective within {self.timeout_s} s")
         return [self._slot(r, nbytes).view(x.dtype).view(x.shape) for r in range(self.world_size)]
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
