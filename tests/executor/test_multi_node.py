@@ -312,7 +312,7 @@ def test_losing_the_headless_node_mid_stream_stops_the_head(tiny_llama, how, tmp
         _assert_stream_ends_with_engine_dead(conn, resp)
         assert head.proc.wait(15) == 1
         seconds = time.monotonic() - t0
-        assert seconds < (3 if how == "killed" else HEARTBEAT_TIMEOUT_S + 8), seconds
+        assert seconds < (HEARTBEAT_TIMEOUT_S if how == "killed" else HEARTBEAT_TIMEOUT_S + 8), seconds
         log = open(head.log_path).read()
         reason = "closed the connection" if how == "killed" else f"no message from node 1 ({socket.gethostname()}"
         assert reason in log and "stopping the server" in log, log[-3000:]
